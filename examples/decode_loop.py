@@ -1,0 +1,134 @@
+"""A jitted decode step over Kimi K3 attention tails, at model sizes, on a TP mesh.
+
+Each layer runs the pre-attention AttnRes (with its block write), a stand-in for attention
+(a fixed random projection H -> 12288, split over the TP ranks like attention heads), the
+post-attention tail `oproj_attn_res` (o_proj + all-reduce + AttnRes), and a stand-in for the
+MLP (a fixed random projection H -> H) whose output is the next layer's delta; the final
+AttnRes closes the step. Weights are random. On CPU the mesh is made of host devices.
+
+    python examples/decode_loop.py --layers 4 --batch 8 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (1..93)")
+    parser.add_argument("--batch", type=int, default=8, help="decode rows per rank (1..64)")
+    parser.add_argument("--tp", type=int, default=None, help="TP ranks (default: all devices)")
+    parser.add_argument("--steps", type=int, default=5, help="timed decode steps")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+ARGS = parse_args()
+# Host devices for a CPU mesh; XLA reads this flag only for the CPU platform.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={ARGS.tp or 8}").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_kimik3 as k3  # noqa: E402
+
+CFG = k3.KIMI_K3
+H, K, NB = CFG.hidden_size, CFG.o_proj_in_features, CFG.num_attn_res_blocks
+NORMS = ("res_norm_w", "res_proj_w", "out_norm_w")
+
+
+def init_params(key, mesh, num_layers):
+    """Random weights, created on the mesh: o_proj and the attention stand-in split along K."""
+    split = NamedSharding(mesh, P(None, "tp"))
+    whole = NamedSharding(mesh, P())
+
+    def normal(key, shape, scale, sharding):
+        make = jax.jit(lambda k: (scale * jax.random.normal(k, shape, jnp.float32))
+                       .astype(jnp.bfloat16), out_shardings=sharding)
+        return make(key)
+
+    def site(key):
+        g, w, o = jax.random.split(key, 3)
+        return {"res_norm_w": 1 + normal(g, (H,), 0.2, whole),
+                "res_proj_w": normal(w, (H,), 4.0 / np.sqrt(H), whole),
+                "out_norm_w": 1 + normal(o, (H,), 0.2, whole)}
+
+    keys = jax.random.split(key, 4 + 3 * num_layers)
+    layers = []
+    for i in range(num_layers):
+        pre, post, o_proj = keys[4 + 3 * i: 7 + 3 * i]
+        layers.append({"pre": site(pre), "post": site(post),
+                       "o_proj": normal(o_proj, (H, K), 1 / np.sqrt(K), split)})
+    return {
+        "attention": normal(keys[0], (H, K), 1 / np.sqrt(H), split),  # stand-in, shared
+        "mlp": normal(keys[1], (H, H), 0.5 / np.sqrt(H), whole),  # stand-in, shared
+        "final": site(keys[2]),
+        "layers": layers,
+    }
+
+
+def param_specs(params):
+    """shard_map specs: arrays of width K are split along K, all else replicated."""
+    return jax.tree.map(lambda a: P(None, "tp") if a.shape == (H, K) else P(), params)
+
+
+def decode_step(params, embedding, blocks, *, num_layers):
+    """One decode step through `num_layers` layers and the final AttnRes (inside shard_map)."""
+    prefix, delta = embedding, None
+    for i in range(num_layers):
+        plan, layer = CFG.layer(i), params["layers"][i]
+        pre, post = plan.pre_attention, plan.post_attention
+        hidden, prefix, blocks = k3.attn_res(
+            prefix, blocks, *(layer["pre"][n] for n in NORMS), num_blocks=pre.num_blocks,
+            delta=delta, write_idx=pre.write_idx)
+        x = jnp.dot(hidden, params["attention"]).astype(jnp.bfloat16)  # this rank's heads
+        hidden, prefix, blocks = k3.oproj_attn_res(
+            x, layer["o_proj"], prefix, blocks, *(layer["post"][n] for n in NORMS),
+            axis_name="tp", num_blocks=post.num_blocks, has_delta=post.has_delta)
+        delta = jnp.dot(hidden, params["mlp"]).astype(jnp.bfloat16)
+    final = CFG.final(num_layers)
+    out, _, _ = k3.attn_res(prefix, blocks, *(params["final"][n] for n in NORMS),
+                            num_blocks=final.num_blocks, delta=delta)
+    return out, blocks
+
+
+def main(args=ARGS):
+    if not 1 <= args.layers <= CFG.num_layers:
+        raise ValueError(f"--layers={args.layers} must be in [1, {CFG.num_layers}]")
+    tp = args.tp or len(jax.devices())
+    if tp > len(jax.devices()):
+        raise ValueError(f"--tp={tp} exceeds the {len(jax.devices())} available devices")
+    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    key = jax.random.key(args.seed)
+    params = init_params(key, mesh, args.layers)
+    rows = jax.random.normal(jax.random.fold_in(key, 1), (args.steps + 1, args.batch, H))
+    embeddings = (0.05 * rows).astype(jnp.bfloat16)  # one fresh token row set per step
+    blocks = jnp.zeros((args.batch, NB, H), jnp.bfloat16)
+
+    step = jax.jit(jax.shard_map(
+        lambda p, e, b: decode_step(p, e, b, num_layers=args.layers), mesh=mesh,
+        in_specs=(param_specs(params), P(), P()), out_specs=(P(), P())))
+    out, _ = step(params, embeddings[0], blocks)  # compile and warm up
+    out.block_until_ready()
+    times, checksum = [], 0.0
+    for s in range(1, args.steps + 1):
+        start = time.perf_counter()
+        out, _ = step(params, embeddings[s], blocks)
+        out.block_until_ready()
+        times.append(time.perf_counter() - start)
+        checksum += float(jnp.sum(out.astype(jnp.float32)))
+    platform = jax.devices()[0].platform
+    print(f"decode step: {args.layers} layers, batch {args.batch}, TP {tp} on {platform}: "
+          f"median {1e3 * np.median(times):.2f} ms over {args.steps} steps")
+    print(f"checksum {checksum:.6e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The public API (DESIGN.md §3): argument checks, then the math."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_kimik3 import reference
+from jax_kimik3.validation import Checker, check_attn_res, check_blocks, check_weights
+
+
+@functools.partial(jax.jit, static_argnames=("num_blocks", "write_idx", "eps", "out_eps"))
+def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, delta=None,
+             write_idx=-1, eps=1e-5, out_eps=1e-5, stats=None):
+    """Block AttnRes: mix `num_blocks` saved blocks with the (delta-updated) prefix, then RMSNorm.
+
+    Returns (out [B, H] bf16, new_prefix [B, H] bf16, new_blocks [B, NB, H] bf16).
+    `write_idx` >= 0 stores the new prefix to blocks[:, write_idx] first; `out_norm_w=None`
+    returns the mix itself; `stats=(mixture, scal)` from `attn_res_statistics` stands in for
+    the saved blocks.
+    """
+    check = Checker("attn_res")
+    check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                   num_blocks=num_blocks, eps=eps, out_eps=out_eps, delta=delta,
+                   write_idx=write_idx, stats=stats)
+    check.done()
+    return reference.attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                              num_blocks=num_blocks, delta=delta, write_idx=write_idx,
+                              eps=eps, out_eps=out_eps, stats=stats)
+
+
+@functools.partial(jax.jit, static_argnames=("num_blocks", "eps"))
+def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps=1e-5):
+    """Softmax statistics of blocks[:, :num_blocks]: (mixture [B, H] f32, scal [B, 2] f32 = (m, s))."""
+    check = Checker("attn_res_statistics")
+    rows = check_blocks(check, blocks, num_blocks=num_blocks)
+    if rows is not None:
+        check_weights(check, rows[1], eps, res_norm_w=res_norm_w, res_proj_w=res_proj_w)
+    check.done()
+    return reference.attn_res_statistics(blocks, res_norm_w, res_proj_w,
+                                         num_blocks=num_blocks, eps=eps)
+
+
+@functools.partial(jax.jit, static_argnames=("axis_name", "num_blocks", "has_delta", "eps",
+                                             "out_eps"))
+def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
+                   num_blocks, has_delta, eps=1e-5, out_eps=1e-5):
+    """Row-parallel o_proj, its all-reduce over `axis_name`, then the post-attention AttnRes.
+
+    Call inside `shard_map`: x [B, K_local] and w [H, K_local] are this rank's shards.
+    Returns (out, new_prefix, new_blocks); without `has_delta` the new prefix is the reduced
+    attn_out (a new block starts) and `prefix` is not read.
+    """
+    check = Checker("oproj_attn_res")
+    rows = check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                          num_blocks=num_blocks, eps=eps, out_eps=out_eps)
+    if rows is not None and check.array("x", x, (rows[0], None), jnp.bfloat16):
+        check.array("w", w, (rows[1], x.shape[1]), jnp.bfloat16)
+    check.done()
+    return reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                                    axis_name=axis_name, num_blocks=num_blocks,
+                                    has_delta=has_delta, eps=eps, out_eps=out_eps)

@@ -1,0 +1,18 @@
+"""Test setup: eight host devices for shard_map (set before jax is imported) and fixtures."""
+
+import os
+import zlib
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+SEED = int(os.environ.get("K3_TEST_SEED", "0"))  # change it for another draw of every case
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh data per case (seeded from the test's id), the same on every run."""
+    return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])

@@ -1,0 +1,102 @@
+"""An independent float64 NumPy model of the attention tail (DESIGN.md §2); imports nothing of jax_kimik3.
+
+Storage points round to bf16 as the specification says (the prefix add in fp32, each rank's
+published o_proj rows, the all-reduced sum); everything else is float64.
+"""
+
+import ml_dtypes
+import numpy as np
+
+BF16 = ml_dtypes.bfloat16
+# Tolerances, from bf16 arithmetic:
+# - a bf16 output is the float64 value rounded once (half an ulp, <= 2**-8 relative); fp32
+#   accumulation in the package can move a value across a rounding boundary, so allow one
+#   whole ulp: 2**-7 relative.
+# - fp32 accumulation (7168-term sums, softmax weights) is ~1e-5 of the row's scale; where
+#   the mix cancels to near zero the relative bound says nothing, so allow 2**-12 of the
+#   row's RMS as an absolute floor.
+BF16_RTOL = 2.0**-7
+ROW_ATOL = 2.0**-12
+# An fp32 dot over K terms is off by about sqrt(K)·2**-24 of Σ|x·w| (111·6e-8 at K = 12288);
+# 2**-14 of Σ|x·w| leaves a wide margin and still sees any misplaced shard.
+DOT_RTOL = 2.0**-14
+# fp32 results (mixture, s, m) against float64: the logit's 7168-term fp32 sum is off by
+# ~1e-6 of its magnitude; exp() carries that into the weights. 2**-14 leaves a wide margin.
+F32_RTOL = 2.0**-14
+
+
+def f64(a):
+    return np.asarray(a).astype(np.float64)
+
+
+def to_bf16(a):
+    return np.asarray(a, np.float64).astype(np.float32).astype(BF16)
+
+
+def logits(v, g, w, eps):
+    """z(v) = Σ v·g·w / sqrt(mean(v²) + eps) over the last axis, float64."""
+    v = f64(v)
+    return np.sum(v * f64(g) * f64(w), -1) / np.sqrt(np.mean(v * v, -1) + eps)
+
+
+def prefix_update(prefix, delta):
+    """bf16(fp32(prefix) + fp32(delta)), the one rounding the specification puts in fp32."""
+    if delta is None:
+        return np.asarray(prefix)
+    return (np.asarray(prefix).astype(np.float32) + np.asarray(delta).astype(np.float32)).astype(BF16)
+
+
+def attn_res(prefix, blocks, g, w, out_w, *, num_blocks, delta=None, write_idx=-1, eps=1e-5,
+             out_eps=1e-5):
+    """(out float64 [B, H], new_prefix bf16, new_blocks bf16)."""
+    p = prefix_update(prefix, delta)
+    new_blocks = np.array(blocks)
+    if write_idx >= 0:
+        new_blocks[:, write_idx] = p
+    sources = np.concatenate([f64(blocks)[:, :num_blocks], f64(p)[:, None]], axis=1)
+    z = logits(sources, g, w, eps)
+    a = np.exp(z - z.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    mix = np.einsum("bk,bkh->bh", a, sources)
+    if out_w is not None:
+        mix = mix / np.sqrt(np.mean(mix * mix, -1, keepdims=True) + out_eps) * f64(out_w)
+    return mix, p, new_blocks
+
+
+def statistics(blocks, g, w, *, num_blocks, eps=1e-5):
+    """(acc [B, H], m [B], s [B]) of blocks[:, :K], float64."""
+    saved = f64(blocks)[:, :num_blocks]
+    if num_blocks == 0:
+        b, _, h = saved.shape
+        return np.zeros((b, h)), np.full(b, -np.inf), np.zeros(b)
+    z = logits(saved, g, w, eps)
+    m = z.max(-1)
+    e = np.exp(z - m[:, None])
+    return np.einsum("bk,bkh->bh", e, saved), m, e.sum(-1)
+
+
+def oproj_partials(x_shards, w_shards):
+    """Each rank's o_proj rows, computed in float64 and published as bf16."""
+    return [to_bf16(f64(x) @ f64(w).T) for x, w in zip(x_shards, w_shards)]
+
+
+def dot_scale(x_shards, w_shards):
+    """Σ_r |x_r|·|w_r|ᵀ: the magnitude that bounds the fp32 error of the o_proj dots."""
+    return sum(np.abs(f64(x)) @ np.abs(f64(w)).T for x, w in zip(x_shards, w_shards))
+
+
+def all_reduce(partials):
+    """bf16 of the float64 sum of the ranks' bf16 rows."""
+    return to_bf16(sum(f64(p) for p in partials))
+
+
+def assert_bf16_close(actual, expected, what=""):
+    """bf16 `actual` against float64 `expected` within BF16_RTOL + ROW_ATOL·rms(row)."""
+    actual, expected = f64(actual), f64(expected)
+    rms = np.sqrt(np.mean(expected**2, axis=-1, keepdims=True))
+    bound = BF16_RTOL * np.abs(expected) + ROW_ATOL * rms
+    err = np.abs(actual - expected)
+    bad = ~(err <= bound)
+    assert not bad.any(), (
+        f"{what}: {bad.sum()} of {bad.size} elements off; worst err/bound="
+        f"{np.nanmax(err / bound):.3g} at {np.unravel_index(np.nanargmax(err / bound), err.shape)}")
