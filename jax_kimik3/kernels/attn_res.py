@@ -1,0 +1,215 @@
+"""Block AttnRes on a cluster of CTAs per token row (sm_90a), and its statistics producer.
+
+A row's H = 7168 columns are split over a cluster of CLUSTER = 7 CTAs of 128 threads, each
+thread owning one 8-wide bf16 vector. Per row:
+1. the prefix update p = bf16(prefix + delta), stored to new_prefix (and to the block slot
+   `write_idx` when the layer writes a block);
+2. per source (the K saved blocks, then p) the partial Σv² and Σv·g·w of each thread, summed
+   over the cluster through distributed shared memory (`primitives.cluster_sums`);
+3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
+   with precomputed statistics only p is reduced, and mix = (c·acc + w_p·p) / (c·s + w_p);
+4. the output RMSNorm: Σmix² over the cluster, then out = bf16(mix · rsqrt(Σmix²/H + eps) · g_out),
+   or out = bf16(mix) without an output norm.
+The statistics producer runs steps 2-3 over the saved blocks alone and stores the unnormalised
+fp32 mixture Σ e^{z_i-m} b_i and (m, s).
+Constraints: H = CLUSTER · THREADS · 8; 1 <= B (one cluster per row, grid (CLUSTER, B)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils
+from cutlass import Float32
+
+from jax_kimik3.config import KIMI_K3
+from jax_kimik3.kernels.primitives import VECTOR, WARP, cluster_sums, load_f32, store, vectors
+
+HIDDEN = KIMI_K3.hidden_size
+CLUSTER = 7
+THREADS = HIDDEN // (CLUSTER * VECTOR)  # 128
+WARPS = THREADS // WARP
+assert CLUSTER * THREADS * VECTOR == HIDDEN and THREADS % WARP == 0
+
+
+def _row_major(*shape):
+    stride, strides = 1, []
+    for extent in reversed(shape):
+        strides.append(stride)
+        stride *= extent
+    return cute.make_layout(shape, stride=tuple(reversed(strides)))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnResVariant:
+    """What one compiled AttnRes kernel does (all static)."""
+
+    num_blocks: int
+    has_delta: bool
+    write_idx: int  # -1: no block write
+    out_norm: bool
+    precomputed: bool  # read (mixture, scal) instead of the saved blocks
+    eps: float
+    out_eps: float
+
+    @property
+    def sources(self) -> int:
+        """Sources reduced over the cluster: the saved blocks (unless precomputed) and p."""
+        return 1 if self.precomputed else self.num_blocks + 1
+
+
+def _smem_bytes(reductions: int, values: int) -> int:
+    """Shared memory of `reductions` cluster_sums calls of `values` fp32 each."""
+    return 4 * reductions * values * (WARPS + CLUSTER) + 64
+
+
+class AttnResKernel:
+    """out, new_prefix (and the block write, in place) from prefix, delta, blocks, weights."""
+
+    def __init__(self, variant: AttnResVariant):
+        self.v = variant
+
+    @cute.jit
+    def __call__(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
+                 res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w,
+                 out: cute.Tensor, new_prefix: cute.Tensor):
+        batch = cute.size(prefix, mode=[0])
+        n = 2 * self.v.sources
+        self.kernel(vectors(prefix), vectors(delta) if cutlass.const_expr(delta is not None) else None,
+                    vectors(blocks),
+                    vectors(mixture) if cutlass.const_expr(mixture is not None) else None, scal,
+                    vectors(res_norm_w), vectors(res_proj_w),
+                    vectors(out_norm_w) if cutlass.const_expr(out_norm_w is not None) else None,
+                    vectors(out), vectors(new_prefix)).launch(
+            grid=[CLUSTER, batch, 1], block=[THREADS, 1, 1], cluster=[CLUSTER, 1, 1],
+            smem=_smem_bytes(2, n), stream=stream)
+
+    @cute.kernel
+    def kernel(self, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
+               res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w,
+               out: cute.Tensor, new_prefix: cute.Tensor):
+        v = self.v
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, row, _ = cute.arch.block_idx()
+        cute.arch.cluster_arrive_relaxed()  # peers' shared memory must exist before DSMEM stores
+        col = rank * THREADS + tidx
+        n = 2 * v.sources
+        smem = cutlass.utils.SmemAllocator()
+        warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
+        cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
+        norm_warp = smem.allocate_tensor(Float32, _row_major(WARPS, 1), byte_alignment=16)
+        norm_cluster = smem.allocate_tensor(Float32, _row_major(CLUSTER, 1), byte_alignment=16)
+
+        gw = load_f32(res_norm_w, col) * load_f32(res_proj_w, col)
+        p = load_f32(prefix, (row, col))
+        if cutlass.const_expr(v.has_delta):
+            p = (p + load_f32(delta, (row, col))).to(cutlass.BFloat16).to(Float32)
+        store(new_prefix, (row, col), p)
+        if cutlass.const_expr(v.write_idx >= 0):
+            store(blocks, (row, v.write_idx, col), p)
+
+        saved = []
+        if cutlass.const_expr(not v.precomputed):
+            for i in cutlass.range_constexpr(v.num_blocks):
+                saved.append(load_f32(blocks, (row, i, col)))
+        sources = saved + [p]
+        partials = []
+        for s in sources:
+            partials.append((s * s).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+            partials.append((s * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+        cute.arch.cluster_wait()
+        sums = cluster_sums(partials, warp_buf, cluster_buf, CLUSTER, rank)
+        z = []
+        for i in cutlass.range_constexpr(len(sources)):
+            z.append(sums[2 * i + 1] * cute.math.rsqrt(sums[2 * i] * (1.0 / HIDDEN) + v.eps))
+
+        if cutlass.const_expr(v.precomputed):
+            m, s_saved = scal[row, 0], scal[row, 1]
+            top = cute.arch.fmax(m, z[0])
+            c, w_p = cute.math.exp(m - top), cute.math.exp(z[0] - top)
+            mix = (load_f32(mixture, (row, col)) * c + p * w_p) * (1.0 / (c * s_saved + w_p))
+        else:
+            top = z[0]
+            for i in cutlass.range_constexpr(1, len(sources)):
+                top = cute.arch.fmax(top, z[i])
+            total = Float32(0.0)
+            acc = p * 0.0
+            for i in cutlass.range_constexpr(len(sources)):
+                e = cute.math.exp(z[i] - top)
+                total = total + e
+                acc = acc + sources[i] * e
+            mix = acc * (1.0 / total)
+
+        if cutlass.const_expr(v.out_norm):
+            sq = cluster_sums([(mix * mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)],
+                              norm_warp, norm_cluster, CLUSTER, rank)
+            r = cute.math.rsqrt(sq[0] * (1.0 / HIDDEN) + v.out_eps)
+            mix = mix * r * load_f32(out_norm_w, col)
+        store(out, (row, col), mix)
+
+
+class StatisticsKernel:
+    """mixture [B, H] f32 = Σ e^{z_i-m} b_i and scal [B, 2] f32 = (m, s) of blocks[:, :K]."""
+
+    def __init__(self, num_blocks: int, eps: float):
+        self.num_blocks, self.eps = num_blocks, eps
+
+    @cute.jit
+    def __call__(self, stream, blocks: cute.Tensor, res_norm_w: cute.Tensor,
+                 res_proj_w: cute.Tensor, mixture: cute.Tensor, scal: cute.Tensor):
+        batch = cute.size(blocks, mode=[0])
+        self.kernel(vectors(blocks), vectors(res_norm_w), vectors(res_proj_w), vectors(mixture),
+                    scal).launch(grid=[CLUSTER, batch, 1], block=[THREADS, 1, 1],
+                                 cluster=[CLUSTER, 1, 1], smem=_smem_bytes(1, 2 * self.num_blocks),
+                                 stream=stream)
+
+    @cute.kernel
+    def kernel(self, blocks: cute.Tensor, res_norm_w: cute.Tensor, res_proj_w: cute.Tensor,
+               mixture: cute.Tensor, scal: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, row, _ = cute.arch.block_idx()
+        cute.arch.cluster_arrive_relaxed()
+        col = rank * THREADS + tidx
+        n = 2 * self.num_blocks
+        smem = cutlass.utils.SmemAllocator()
+        warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
+        cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
+        gw = load_f32(res_norm_w, col) * load_f32(res_proj_w, col)
+        saved, partials = [], []
+        for i in cutlass.range_constexpr(self.num_blocks):
+            b = load_f32(blocks, (row, i, col))
+            saved.append(b)
+            partials.append((b * b).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+            partials.append((b * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+        cute.arch.cluster_wait()
+        sums = cluster_sums(partials, warp_buf, cluster_buf, CLUSTER, rank)
+        z = []
+        for i in cutlass.range_constexpr(self.num_blocks):
+            z.append(sums[2 * i + 1] * cute.math.rsqrt(sums[2 * i] * (1.0 / HIDDEN) + self.eps))
+        top = z[0]
+        for i in cutlass.range_constexpr(1, self.num_blocks):
+            top = cute.arch.fmax(top, z[i])
+        total = Float32(0.0)
+        acc = saved[0] * 0.0
+        for i in cutlass.range_constexpr(self.num_blocks):
+            e = cute.math.exp(z[i] - top)
+            total = total + e
+            acc = acc + saved[i] * e
+        store(mixture, (row, col), acc)
+        if rank == 0 and tidx == 0:
+            scal[row, 0] = top
+            scal[row, 1] = total
+
+
+@functools.cache
+def attn_res_kernel(variant: AttnResVariant) -> AttnResKernel:
+    """One kernel object per variant: cutlass_call's compile cache is keyed by it."""
+    return AttnResKernel(variant)
+
+
+@functools.cache
+def statistics_kernel(num_blocks: int, eps: float) -> StatisticsKernel:
+    return StatisticsKernel(num_blocks, eps)
