@@ -8,39 +8,52 @@ import jax
 import jax.numpy as jnp
 
 from jax_kimik3 import reference
-from jax_kimik3.validation import Checker, check_attn_res, check_blocks, check_weights
+from jax_kimik3.backend import Backend, use_kernels
+from jax_kimik3.validation import Checker, check_attn_res, check_backend, check_blocks, check_weights
 
 
-@functools.partial(jax.jit, static_argnames=("num_blocks", "write_idx", "eps", "out_eps"))
+def _kernels():
+    """The kernel family, imported on first use (the CuTe DSL takes a while to load)."""
+    from jax_kimik3.kernels import attn_res as kernels
+    return kernels
+
+
+@functools.partial(jax.jit, static_argnames=("num_blocks", "write_idx", "eps", "out_eps",
+                                             "backend"))
 def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, delta=None,
-             write_idx=-1, eps=1e-5, out_eps=1e-5, stats=None):
+             write_idx=-1, eps=1e-5, out_eps=1e-5, stats=None, backend: Backend = "auto"):
     """Block AttnRes: mix `num_blocks` saved blocks with the (delta-updated) prefix, then RMSNorm.
 
     Returns (out [B, H] bf16, new_prefix [B, H] bf16, new_blocks [B, NB, H] bf16).
     `write_idx` >= 0 stores the new prefix to blocks[:, write_idx] first; `out_norm_w=None`
     returns the mix itself; `stats=(mixture, scal)` from `attn_res_statistics` stands in for
-    the saved blocks.
+    the saved blocks. `backend`: "auto" (kernels on a GPU), "kernel" or "reference".
     """
     check = Checker("attn_res")
     check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                    num_blocks=num_blocks, eps=eps, out_eps=out_eps, delta=delta,
                    write_idx=write_idx, stats=stats)
+    check_backend(check, backend)
     check.done()
-    return reference.attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-                              num_blocks=num_blocks, delta=delta, write_idx=write_idx,
-                              eps=eps, out_eps=out_eps, stats=stats)
+    impl = _kernels() if use_kernels(backend, prefix.shape[1]) else reference
+    return impl.attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                         num_blocks=num_blocks, delta=delta, write_idx=write_idx, eps=eps,
+                         out_eps=out_eps, stats=stats)
 
 
-@functools.partial(jax.jit, static_argnames=("num_blocks", "eps"))
-def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps=1e-5):
+@functools.partial(jax.jit, static_argnames=("num_blocks", "eps", "backend"))
+def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps=1e-5,
+                        backend: Backend = "auto"):
     """Softmax statistics of blocks[:, :num_blocks]: (mixture [B, H] f32, scal [B, 2] f32 = (m, s))."""
     check = Checker("attn_res_statistics")
     rows = check_blocks(check, blocks, num_blocks=num_blocks)
     if rows is not None:
         check_weights(check, rows[1], eps, res_norm_w=res_norm_w, res_proj_w=res_proj_w)
+    check_backend(check, backend)
     check.done()
-    return reference.attn_res_statistics(blocks, res_norm_w, res_proj_w,
-                                         num_blocks=num_blocks, eps=eps)
+    impl = _kernels() if use_kernels(backend, blocks.shape[2]) else reference
+    return impl.attn_res_statistics(blocks, res_norm_w, res_proj_w, num_blocks=num_blocks,
+                                    eps=eps)
 
 
 @functools.partial(jax.jit, static_argnames=("axis_name", "num_blocks", "has_delta", "eps",

@@ -7,7 +7,7 @@ Arrays are NumPy bf16 (ml_dtypes); callers put them on devices.
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -18,9 +18,8 @@ BF16 = ml_dtypes.bfloat16
 LOGIT_STD = 4.0  # typical |z|: e^{±4} spreads the softmax weights over orders of magnitude
 
 
-@dataclasses.dataclass(frozen=True)
-class AttnResInputs:
-    """One AttnRes call's arrays: prefix/delta [B, H], blocks [B, NB, H], weights [H]."""
+class AttnResInputs(NamedTuple):
+    """One AttnRes call's arrays: prefix/delta [B, H], blocks [B, NB, H], weights [H] (a pytree)."""
 
     prefix: np.ndarray
     delta: np.ndarray

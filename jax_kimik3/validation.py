@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax_kimik3.backend import BACKENDS
 from jax_kimik3.config import KIMI_K3
 
 CAPACITY = KIMI_K3.mailbox_capacity
@@ -95,3 +96,8 @@ def check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
             check.array("stats[0] (mixture)", stats[0], (b, h), jnp.float32)
             check.array("stats[1] (scal)", stats[1], (b, 2), jnp.float32)
     return rows
+
+
+def check_backend(check, backend):
+    if backend not in BACKENDS:
+        check.fail(f"backend={backend!r} must be one of {BACKENDS}")

@@ -3,6 +3,8 @@
 import os
 import zlib
 
+# Kernels compile for Hopper also where no GPU is attached (read when cutlass is imported).
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 

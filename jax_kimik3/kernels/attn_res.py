@@ -22,9 +22,13 @@ import functools
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils
+import cutlass.memory
+import jax
+import jax.numpy as jnp
 from cutlass import Float32
+from cutlass.jax import cutlass_call
 
+from jax_kimik3 import reference
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.primitives import VECTOR, WARP, cluster_sums, load_f32, store, vectors
 
@@ -75,7 +79,7 @@ class AttnResKernel:
     @cute.jit
     def __call__(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
                  res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w,
-                 out: cute.Tensor, new_prefix: cute.Tensor):
+                 out: cute.Tensor, new_prefix=None):
         batch = cute.size(prefix, mode=[0])
         n = 2 * self.v.sources
         self.kernel(vectors(prefix), vectors(delta) if cutlass.const_expr(delta is not None) else None,
@@ -83,21 +87,22 @@ class AttnResKernel:
                     vectors(mixture) if cutlass.const_expr(mixture is not None) else None, scal,
                     vectors(res_norm_w), vectors(res_proj_w),
                     vectors(out_norm_w) if cutlass.const_expr(out_norm_w is not None) else None,
-                    vectors(out), vectors(new_prefix)).launch(
+                    vectors(out),
+                    vectors(new_prefix) if cutlass.const_expr(new_prefix is not None) else None).launch(
             grid=[CLUSTER, batch, 1], block=[THREADS, 1, 1], cluster=[CLUSTER, 1, 1],
             smem=_smem_bytes(2, n), stream=stream)
 
     @cute.kernel
     def kernel(self, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
                res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w,
-               out: cute.Tensor, new_prefix: cute.Tensor):
+               out: cute.Tensor, new_prefix):
         v = self.v
         tidx, _, _ = cute.arch.thread_idx()
         rank, row, _ = cute.arch.block_idx()
         cute.arch.cluster_arrive_relaxed()  # peers' shared memory must exist before DSMEM stores
         col = rank * THREADS + tidx
         n = 2 * v.sources
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
         norm_warp = smem.allocate_tensor(Float32, _row_major(WARPS, 1), byte_alignment=16)
@@ -107,7 +112,7 @@ class AttnResKernel:
         p = load_f32(prefix, (row, col))
         if cutlass.const_expr(v.has_delta):
             p = (p + load_f32(delta, (row, col))).to(cutlass.BFloat16).to(Float32)
-        store(new_prefix, (row, col), p)
+            store(new_prefix, (row, col), p)
         if cutlass.const_expr(v.write_idx >= 0):
             store(blocks, (row, v.write_idx, col), p)
 
@@ -174,7 +179,7 @@ class StatisticsKernel:
         cute.arch.cluster_arrive_relaxed()
         col = rank * THREADS + tidx
         n = 2 * self.num_blocks
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
         gw = load_f32(res_norm_w, col) * load_f32(res_proj_w, col)
@@ -213,3 +218,47 @@ def attn_res_kernel(variant: AttnResVariant) -> AttnResKernel:
 @functools.cache
 def statistics_kernel(num_blocks: int, eps: float) -> StatisticsKernel:
     return StatisticsKernel(num_blocks, eps)
+
+
+def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, delta, write_idx,
+             eps, out_eps, stats, into=None):
+    """The kernel behind `jax_kimik3.attn_res` (same arguments and results; inputs checked).
+
+    `into` = (out, new_prefix) buffers the kernel writes in place (the GPU tests pass
+    poisoned ones); without it XLA allocates them.
+    """
+    variant = AttnResVariant(num_blocks, delta is not None, write_idx, out_norm_w is not None,
+                             stats is not None, float(eps), float(out_eps))
+    mixture, scal = (None, None) if stats is None else stats
+    row = jax.ShapeDtypeStruct(prefix.shape, jnp.bfloat16)
+    outputs = [row] * (1 + variant.has_delta)
+    inputs = [prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w, out_norm_w]
+    aliases = {}
+    if write_idx >= 0:  # the block write updates `blocks` in place
+        aliases[2] = len(outputs)
+        outputs.append(jax.ShapeDtypeStruct(blocks.shape, blocks.dtype))
+    if into is not None:
+        for buffer, index in zip(into, range(len(outputs) - (write_idx >= 0))):
+            aliases[len(inputs)] = index
+            inputs.append(buffer)
+    results = cutlass_call(attn_res_kernel(variant), output_shape_dtype=tuple(outputs),
+                           input_output_aliases=aliases)(*inputs)
+    out = results[0]
+    new_prefix = results[1] if variant.has_delta else prefix
+    new_blocks = results[-1] if write_idx >= 0 else blocks
+    return out, new_prefix, new_blocks
+
+
+def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps, into=None):
+    """The kernel behind `jax_kimik3.attn_res_statistics`; `into` = poisoned (mixture, scal)."""
+    if num_blocks == 0:  # nothing to reduce: the empty softmax's constants
+        return reference.attn_res_statistics(blocks, res_norm_w, res_proj_w, num_blocks=0, eps=eps)
+    b, _, h = blocks.shape
+    outputs = (jax.ShapeDtypeStruct((b, h), jnp.float32), jax.ShapeDtypeStruct((b, 2), jnp.float32))
+    inputs = [blocks, res_norm_w, res_proj_w]
+    aliases = {}
+    if into is not None:
+        aliases = {len(inputs): 0, len(inputs) + 1: 1}
+        inputs += list(into)
+    return cutlass_call(statistics_kernel(num_blocks, float(eps)), output_shape_dtype=outputs,
+                        input_output_aliases=aliases)(*inputs)

@@ -1,0 +1,109 @@
+"""CPU: every AttnRes kernel variant compiles for sm_90a and lowers to the cutlass_call custom call."""
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_kimik3 as k3
+
+pytest.importorskip("cutlass")
+
+H, NB = 7168, 8
+CUSTOM_CALL = "CuteDSLRT_NvJaxCutlassCall"
+
+
+def spec(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def lower_for_cuda(f, *args):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+VARIANTS = [  # (K, delta, write, out norm, precomputed statistics)
+    v for v in itertools.product((0, 1, 4, 8), (True, False), (False, True), (True, False),
+                                 (False, True))
+    if not (v[2] and v[0] == NB)  # no slot left to write after 8 saved blocks
+]
+
+
+@pytest.mark.parametrize("k,has_delta,write,out_norm,precomputed", VARIANTS)
+def test_attn_res_variant_lowers(k, has_delta, write, out_norm, precomputed):
+    b = 8
+    write_idx = k if write else -1
+
+    def f(prefix, delta, blocks, g, w, o, mixture, scal):
+        return k3.attn_res(prefix, blocks, g, w, o if out_norm else None, num_blocks=k,
+                           delta=delta if has_delta else None, write_idx=write_idx,
+                           stats=(mixture, scal) if precomputed else None, backend="kernel")
+
+    text = lower_for_cuda(f, spec(b, H), spec(b, H), spec(b, NB, H), spec(H), spec(H), spec(H),
+                          spec(b, H, dtype=jnp.float32), spec(b, 2, dtype=jnp.float32))
+    assert len(re.findall(rf"custom_call @{CUSTOM_CALL}", text)) == 1
+    # The block write updates `blocks` in place: the custom call aliases it to an output.
+    assert ("output_operand_aliases" in text) == write
+
+
+@pytest.mark.parametrize("b", [1, 2, 7, 33, 64])
+def test_attn_res_lowers_for_every_batch(b):
+    text = lower_for_cuda(
+        lambda p, d, bl, g, w, o: k3.attn_res(p, bl, g, w, o, num_blocks=4, delta=d,
+                                              backend="kernel"),
+        spec(b, H), spec(b, H), spec(b, NB, H), spec(H), spec(H), spec(H))
+    assert CUSTOM_CALL in text
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 8])
+def test_statistics_lowers(k):
+    text = lower_for_cuda(
+        lambda bl, g, w: k3.attn_res_statistics(bl, g, w, num_blocks=k, backend="kernel"),
+        spec(8, NB, H), spec(H), spec(H))
+    assert (CUSTOM_CALL in text) == (k > 0)  # K = 0 needs no kernel: the constants of an empty softmax
+
+
+def test_auto_backend_on_cpu_is_the_reference():
+    text = lower_for_cuda(
+        lambda p, bl, g, w, o: k3.attn_res(p, bl, g, w, o, num_blocks=4),
+        spec(8, H), spec(8, NB, H), spec(H), spec(H), spec(H))
+    assert CUSTOM_CALL not in text
+
+
+def test_kernel_backend_needs_model_width():
+    with pytest.raises(NotImplementedError, match="built for H=7168; got H=256"):
+        jax.jit(lambda p, bl, g, w: k3.attn_res(p, bl, g, w, None, num_blocks=1,
+                                                 backend="kernel")).trace(
+            spec(8, 256), spec(8, NB, 256), spec(256), spec(256))
+
+
+def test_bad_backend_is_a_value_error():
+    with pytest.raises(ValueError, match=r"backend='cuda' must be one of \('auto', 'kernel', 'reference'\)"):
+        jax.jit(lambda p, bl, g, w: k3.attn_res(p, bl, g, w, None, num_blocks=1,
+                                                 backend="cuda")).trace(
+            spec(8, H), spec(8, NB, H), spec(H), spec(H))
+
+
+def test_ptx_is_hopper_cluster_code(tmp_path):
+    """The kept PTX targets sm_90a and reduces across the cluster through DSMEM."""
+    script = textwrap.dedent(f"""
+        import jax, jax.numpy as jnp, jax_kimik3 as k3
+        s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        f = lambda p, d, bl, g, w, o: k3.attn_res(p, bl, g, w, o, num_blocks=3, delta=d,
+                                                  backend="kernel")
+        jax.jit(f).trace(s(4, {H}), s(4, {H}), s(4, {NB}, {H}), s({H}), s({H}), s({H})).lower(
+            lowering_platforms=("cuda",))
+    """)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert ".target sm_90a" in ptx
+    assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
+    assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx  # 16-byte row vectors
