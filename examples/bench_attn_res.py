@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -31,7 +32,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="1,4,8,16,32,64")
     parser.add_argument("--ks", default="1,4,8")
-    parser.add_argument("--sets", type=int, default=32, help="rotated input sets (past the L2)")
+    parser.add_argument("--sets", type=int, default=64, help="input sets, one per call (past the L2)")
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -44,11 +45,11 @@ def main(argv=None):
     for b in map(int, args.batches.split(",")):
         sets = [jax.device_put(attn_res_inputs(rng, b, NB)) for _ in range(args.sets)]
         for k in map(int, args.ks.split(",")):
-            def op(i, backend):
-                return k3.attn_res(i.prefix, i.blocks, i.res_norm_w, i.res_proj_w, i.out_norm_w,
-                                   num_blocks=k, delta=i.delta, backend=backend)[:2]
-            kernel = time_per_call(lambda i: op(i, "kernel"), sets)
-            ref = time_per_call(lambda i: op(i, "reference"), sets)
+            def step(prefix, i, backend):  # the output is the next call's prefix
+                return k3.attn_res(prefix, i.blocks, i.res_norm_w, i.res_proj_w, i.out_norm_w,
+                                   num_blocks=k, delta=i.delta, backend=backend)[0]
+            kernel, ref = (time_per_call(functools.partial(step, backend=backend), sets[0].prefix, sets)
+                           for backend in ("kernel", "reference"))
             moved = (k + 4) * b * H * 2  # read K blocks, prefix, delta; write out, new prefix
             floor = 1e6 * moved / bandwidth
             rows.append(dict(batch=b, k=k, kernel_us=kernel, reference_us=ref,

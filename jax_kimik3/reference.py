@@ -17,6 +17,12 @@ import jax.numpy as jnp
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
+def round_bf16(x):
+    """fp32 `x` rounded to bf16 values, kept in fp32. XLA may skip a convert pair inside a fusion
+    (excess precision); an explicit reduce_precision it keeps."""
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+
+
 def logits(v, res_norm_w, res_proj_w, eps):
     """z(v) for rows v [..., H] (any float dtype) → fp32 [...]."""
     v = v.astype(F32)
@@ -32,7 +38,7 @@ def rms_norm(x, weight, eps):
 
 def update_prefix(prefix, blocks, *, delta, write_idx):
     """Step 1: the bf16 prefix after its delta, and the blocks after the optional write."""
-    p = prefix if delta is None else (prefix.astype(F32) + delta.astype(F32)).astype(BF16)
+    p = prefix if delta is None else round_bf16(prefix.astype(F32) + delta.astype(F32)).astype(BF16)
     if write_idx >= 0:
         blocks = blocks.at[:, write_idx].set(p)
     return p, blocks
@@ -80,12 +86,12 @@ def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, 
 
 def oproj_partial(x, w):
     """One rank's o_proj rows: bf16(x @ w.T) with fp32 accumulation, as published to the mailbox."""
-    return jnp.einsum("bk,hk->bh", x, w, preferred_element_type=F32).astype(BF16)
+    return round_bf16(jnp.einsum("bk,hk->bh", x, w, preferred_element_type=F32)).astype(BF16)
 
 
 def all_reduce(partial, axis_name):
     """Sum of the ranks' bf16 rows in fp32, rounded to bf16 (the mailbox all-reduce's result)."""
-    return jax.lax.psum(partial.astype(F32), axis_name).astype(BF16)
+    return round_bf16(jax.lax.psum(partial.astype(F32), axis_name)).astype(BF16)
 
 
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
