@@ -1,50 +1,83 @@
-"""Device timing for the benchmarks: the latency of one call inside one jit, dispatch cancelled.
+"""Device timing for the benchmarks: the GPU time of one call inside one jit, from a profile.
 
 A chain of calls runs in one jitted function; each call reads the previous call's result (so
 XLA can neither merge nor overlap them: this is latency, as in a decode step) and its own
-input set (so no two calls share inputs and the sets together overflow the L2). With T the
-median wall time of one whole jitted chain, a call takes (T(n) − T(n/2)) / (n/2): the fixed
-cost of dispatch and synchronisation cancels.
+input set (no two calls share inputs, and the sets together overflow the L2). The chain runs
+`repeats` times under the JAX profiler; a call's time is the median over the runs of the
+module's span on the GPU (first kernel start to last kernel end, launch gaps inside the
+module included, host dispatch excluded) divided by the chain's length.
 """
 
 from __future__ import annotations
 
-import time
+import gzip
+import json
+import pathlib
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+GAP_US = 200.0  # an idle GPU gap this long separates two runs of the chain
 
-def _median_wall(fn, args, repeats):
+
+def _gpu_kernel_events(trace_dir):
+    """(start µs, end µs) of every event on a GPU stream line of the perfetto trace."""
+    path = next(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
+    events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in e["args"]["name"]}
+    lines = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M"
+             and e.get("name") == "thread_name" and e["pid"] in gpu_pids}
+    streams = {key for key, name in lines.items() if "stream" in name.lower()}
+    if not streams:
+        raise RuntimeError(f"no GPU stream lines in the profile; lines: {sorted(lines.values())}")
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                  if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams)
+
+
+def _runs(spans):
+    """Group kernel spans into runs of the chain, split at idle gaps longer than GAP_US."""
+    runs, start, end = [], None, None
+    for s, e in spans:
+        if start is not None and s - end > GAP_US:
+            runs.append(end - start)
+            start = None
+        if start is None:
+            start, end = s, e
+        end = max(end, e)
+    if start is not None:
+        runs.append(end - start)
+    return runs
+
+
+def time_per_call(step, carry, input_sets, *, repeats=20):
+    """Median GPU µs of one `carry = step(carry, inputs)` over `input_sets` (a list of pytrees)."""
+    @jax.jit
+    def chain(carry, sets):
+        for inputs in sets:
+            carry = step(carry, inputs)
+        return carry
+
     for _ in range(3):  # compile, then warm up
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def time_per_call(step, carry, input_sets, *, repeats=50):
-    """Median µs of one `carry = step(carry, inputs)` over `input_sets` (pytrees, even count)."""
-    n = len(input_sets)
-
-    def chain(count):
-        def run(carry, sets):
-            for inputs in sets[:count]:
-                carry = step(carry, inputs)
-            return carry
-        return jax.jit(run)
-
-    half, full = (_median_wall(chain(c), (carry, input_sets), repeats) for c in (n // 2, n))
-    return 1e6 * (full - half) / (n // 2)
+        jax.block_until_ready(chain(carry, input_sets))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(repeats):
+                jax.block_until_ready(chain(carry, input_sets))
+        runs = _runs(_gpu_kernel_events(trace_dir))
+    if len(runs) != repeats:
+        raise RuntimeError(f"found {len(runs)} runs of the chain in the profile, expected {repeats}")
+    return float(np.median(runs)) / len(input_sets)
 
 
 def copy_bandwidth(size_bytes=512 << 20, count=8):
     """Measured device copy bandwidth in bytes/s: a read and a write of `size_bytes` per call."""
     x = jnp.zeros((size_bytes // 2,), jnp.bfloat16)
-    per_call = time_per_call(lambda a, _: jax.lax.optimization_barrier(a + jnp.bfloat16(1)),
-                             x, [None] * count, repeats=20)
+    def step(a, _):  # the barrier keeps XLA from fusing the chain into one kernel
+        return jax.lax.optimization_barrier(a + jnp.bfloat16(1))
+
+    per_call = time_per_call(step, x, [None] * count, repeats=5)
     return 2 * size_bytes / (per_call * 1e-6)

@@ -116,19 +116,15 @@ class AttnResKernel:
         if cutlass.const_expr(v.write_idx >= 0):
             store(blocks, (row, v.write_idx, col), p)
 
-        saved = []
-        if cutlass.const_expr(not v.precomputed):
-            for i in cutlass.range_constexpr(v.num_blocks):
-                saved.append(load_f32(blocks, (row, i, col)))
-        sources = saved + [p]
         partials = []
-        for s in sources:
+        for i in cutlass.range_constexpr(v.sources):
+            s = p if i == v.sources - 1 else load_f32(blocks, (row, i, col))
             partials.append((s * s).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
             partials.append((s * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
         cute.arch.cluster_wait()
         sums = cluster_sums(partials, warp_buf, cluster_buf, CLUSTER, rank)
         z = []
-        for i in cutlass.range_constexpr(len(sources)):
+        for i in cutlass.range_constexpr(v.sources):
             z.append(sums[2 * i + 1] * cute.math.rsqrt(sums[2 * i] * (1.0 / HIDDEN) + v.eps))
 
         if cutlass.const_expr(v.precomputed):
@@ -138,14 +134,16 @@ class AttnResKernel:
             mix = (load_f32(mixture, (row, col)) * c + p * w_p) * (1.0 / (c * s_saved + w_p))
         else:
             top = z[0]
-            for i in cutlass.range_constexpr(1, len(sources)):
+            for i in cutlass.range_constexpr(1, v.sources):
                 top = cute.arch.fmax(top, z[i])
-            total = Float32(0.0)
-            acc = p * 0.0
-            for i in cutlass.range_constexpr(len(sources)):
+            e = cute.math.exp(z[v.num_blocks] - top)
+            total, acc = e, p * e
+            for i in cutlass.range_constexpr(v.num_blocks):
+                # Read the block again (an L1 hit) rather than hold K rows of registers
+                # across the cluster exchange: that keeps a B = 64 grid in one wave.
                 e = cute.math.exp(z[i] - top)
                 total = total + e
-                acc = acc + sources[i] * e
+                acc = acc + load_f32(blocks, (row, i, col)) * e
             mix = acc * (1.0 / total)
 
         if cutlass.const_expr(v.out_norm):
@@ -183,10 +181,9 @@ class StatisticsKernel:
         warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
         gw = load_f32(res_norm_w, col) * load_f32(res_proj_w, col)
-        saved, partials = [], []
+        partials = []
         for i in cutlass.range_constexpr(self.num_blocks):
             b = load_f32(blocks, (row, i, col))
-            saved.append(b)
             partials.append((b * b).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
             partials.append((b * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
         cute.arch.cluster_wait()
@@ -198,11 +195,11 @@ class StatisticsKernel:
         for i in cutlass.range_constexpr(1, self.num_blocks):
             top = cute.arch.fmax(top, z[i])
         total = Float32(0.0)
-        acc = saved[0] * 0.0
+        acc = gw * 0.0
         for i in cutlass.range_constexpr(self.num_blocks):
             e = cute.math.exp(z[i] - top)
             total = total + e
-            acc = acc + saved[i] * e
+            acc = acc + load_f32(blocks, (row, i, col)) * e  # again: an L1 hit, fewer registers
         store(mixture, (row, col), acc)
         if rank == 0 and tidx == 0:
             scal[row, 0] = top
