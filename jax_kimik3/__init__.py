@@ -1,13 +1,19 @@
 """Kimi K3's decode-step attention tail for JAX: o_proj, its TP all-reduce and Block AttnRes."""
 
-from jax_kimik3.api import attn_res, attn_res_statistics, oproj_attn_res
+from jax_kimik3.api import (all_reduce, all_reduce_virtual, attn_res, attn_res_statistics,
+                            oproj_attn_res)
 from jax_kimik3.config import KIMI_K3, CallSite, KimiK3Config, LayerPlan
+from jax_kimik3.mailbox import Mailbox, MailboxLayout
 
 __all__ = [
     "KIMI_K3",
     "CallSite",
     "KimiK3Config",
     "LayerPlan",
+    "Mailbox",
+    "MailboxLayout",
+    "all_reduce",
+    "all_reduce_virtual",
     "attn_res",
     "attn_res_statistics",
     "oproj_attn_res",

@@ -75,3 +75,55 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
     return reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                                     axis_name=axis_name, num_blocks=num_blocks,
                                     has_delta=has_delta, eps=eps, out_eps=out_eps)
+
+
+def _check_all_reduce(check, rows, name, mailbox, parity):
+    layout = mailbox.layout
+    check.array(name, rows, (None, layout.hidden), jnp.bfloat16)
+    if rows.ndim == 2 and rows.shape[0] > layout.capacity:
+        check.fail(f"{name} has batch B={rows.shape[0]}; must be in [1, {layout.capacity}] "
+                   "(mailbox capacity)")
+    if parity not in (0, 1):
+        check.fail(f"parity={parity} must be 0 or 1 (layer index % 2)")
+
+
+@functools.partial(jax.jit, static_argnames=("mailbox", "axis_name", "parity", "two_shot",
+                                             "max_spins"))
+def all_reduce(rows, mailbox, *, axis_name, parity, two_shot=False, max_spins=None):
+    """Sum of every TP rank's bf16 rows [B, H] through `mailbox`'s Lamport slots (in shard_map).
+
+    One-shot: each rank receives every peer's rows; two-shot: each rank reduces the H/TP columns
+    it owns and sends them back. Every rank gets bitwise-identical rows (fp32 sums in rank
+    order). `parity` alternates by layer; `max_spins` bounds each poll (see kernels.lamport).
+    """
+    from jax_kimik3.kernels import lamport
+
+    check = Checker("all_reduce")
+    _check_all_reduce(check, rows, "rows", mailbox, parity)
+    tp = jax.lax.axis_size(axis_name)
+    if tp != mailbox.tp:
+        check.fail(f"axis {axis_name!r} has {tp} ranks; the mailbox has tp={mailbox.tp}")
+    check.done()
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    return lamport.all_reduce(rows, jnp.asarray(mailbox.peer_table), rank, layout=mailbox.layout,
+                              parity=parity, two_shot=two_shot,
+                              max_spins=max_spins or lamport.MAX_SPINS)
+
+
+@functools.partial(jax.jit, static_argnames=("mailbox", "parity", "two_shot", "max_spins"))
+def all_reduce_virtual(partials, mailbox, *, parity, two_shot=False, max_spins=None, after=None):
+    """Every rank on one GPU ("virtual TP"): partials [TP, B, H] bf16 → each rank's sum [TP, B, H].
+
+    Runs every rank's producer, then every consumer, through a `Mailbox.virtual` mailbox.
+    """
+    from jax_kimik3.kernels import lamport
+
+    check = Checker("all_reduce_virtual")
+    if partials.ndim != 3 or partials.shape[0] != mailbox.tp:
+        check.fail(f"partials has shape={tuple(partials.shape)}; expected [tp={mailbox.tp}, B, H]")
+    else:
+        _check_all_reduce(check, partials[0], "partials[r]", mailbox, parity)
+    check.done()
+    return lamport.all_reduce_virtual(partials, jnp.asarray(mailbox.peer_table),
+                                      layout=mailbox.layout, parity=parity, two_shot=two_shot,
+                                      max_spins=max_spins or lamport.MAX_SPINS, after=after)

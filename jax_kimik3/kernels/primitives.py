@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
+from jax_kimik3.mailbox import SENTINEL
+
+NEG_ZERO_BF16 = 0x8000
 VECTOR = 8  # bf16 elements per thread access: 16 bytes
 WARP = 32
 
@@ -87,3 +90,107 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
             acc = acc + cluster_buf[c, k]
         sums.append(acc)
     return sums
+
+
+# Lamport mailbox words: each helper takes a raw 64-bit global address (peer buffers are
+# reached through the unified address space) and moves four 32-bit words = 8 bf16.
+
+@dsl_user_op
+def load_words(address: Int64, *, volatile: cutlass.Constexpr[bool] = False, loc=None, ip=None):
+    """16 bytes at `address` as four Uint32. `volatile` (ld.volatile.global): every poll
+    re-reads memory, never a register or L1 copy; the asm has side effects so a polling loop
+    is not hoisted or merged."""
+    opcode = "ld.volatile.global.v4.u32" if volatile else "ld.global.v4.u32"
+    out = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4), [Int64(address).ir_value(loc=loc, ip=ip)],
+        f"{opcode} {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,l", has_side_effects=volatile,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Uint32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def store_words(address: Int64, words, *, loc=None, ip=None):
+    """Weak st.global.v4.u32 of four words; a Lamport reader polls every word, so it needs no
+    fence: a word either still holds SENTINEL or holds its final value."""
+    llvm.inline_asm(
+        None, [Int64(address).ir_value(loc=loc, ip=ip)]
+        + [Uint32(w).ir_value(loc=loc, ip=ip) for w in words],
+        "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", has_side_effects=True,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def store_word(address: Int64, word, *, loc=None, ip=None):
+    """Weak st.global.u32 of one word."""
+    llvm.inline_asm(
+        None, [Int64(address).ir_value(loc=loc, ip=ip), Uint32(word).ir_value(loc=loc, ip=ip)],
+        "st.global.u32 [$0], $1;", "l,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _bits_to_f32(bits, *, loc=None, ip=None):
+    return Float32(llvm.bitcast(T.f32(), Uint32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@cute.jit
+def words_to_f32(words):
+    """Eight fp32 from four words of bf16 pairs (low half first): a bf16 is an fp32's top half."""
+    values = []
+    for w in words:
+        values.append(_bits_to_f32(w << Uint32(16)))
+        values.append(_bits_to_f32(w & Uint32(0xFFFF0000)))
+    return values
+
+
+@dsl_user_op
+def f32_to_words(values, *, loc=None, ip=None):
+    """Four words of bf16 pairs from eight fp32, rounded to nearest even (cvt.rn.bf16x2.f32)."""
+    words = []
+    for i in range(4):
+        low, high = (Float32(v).ir_value(loc=loc, ip=ip) for v in values[2 * i: 2 * i + 2])
+        word = llvm.inline_asm(T.i32(), [high, low], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
+                               has_side_effects=False, is_align_stack=False,
+                               asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+        words.append(Uint32(word))
+    return words
+
+
+@cute.jit
+def without_negative_zero(words):
+    """Each bf16 -0 (0x8000) rewritten to +0, so no published word can equal SENTINEL."""
+    clean = []
+    for w in words:  # branch-free: clear the sign bit of a half that is exactly 0x8000
+        low = Uint32((w & Uint32(0xFFFF)) == Uint32(NEG_ZERO_BF16))
+        high = Uint32((w >> Uint32(16)) == Uint32(NEG_ZERO_BF16))
+        clean.append(w & (Uint32(0xFFFFFFFF) ^ ((low << Uint32(15)) | (high << Uint32(31)))))
+    return clean
+
+
+@cute.jit
+def is_armed(words):
+    """Whether any word still holds SENTINEL (compared as raw bits, never as floats)."""
+    armed = words[0] == Uint32(SENTINEL)
+    for i in cutlass.range_constexpr(1, 4):
+        armed = armed | (words[i] == Uint32(SENTINEL))
+    return armed
+
+
+@cute.jit
+def address_of(table: cute.Tensor, rank):
+    """Rank `rank`'s buffer address from the peer table's (low, high) uint32 words."""
+    return (Int64(table[rank, 1]) << Int64(32)) | Int64(table[rank, 0])
+
+
+@cute.jit
+def poll(address: Int64, max_spins: cutlass.Constexpr, status: Int64):
+    """The four words at `address` once none holds SENTINEL. A bounded spin: after
+    `max_spins` re-reads it stores 1 to the `status` word and returns what it has."""
+    w0, w1, w2, w3 = load_words(address, volatile=True)
+    spins = Int32(0)
+    while is_armed([w0, w1, w2, w3]) & (spins < max_spins):
+        w0, w1, w2, w3 = load_words(address, volatile=True)
+        spins = spins + 1
+    if spins >= max_spins:
+        store_word(status, Uint32(1))
+    return [w0, w1, w2, w3]

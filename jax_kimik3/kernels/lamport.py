@@ -1,0 +1,275 @@
+"""Lamport all-reduce over peer mailboxes (sm_90a): one-shot and two-shot kernels.
+
+Rank r of T, rows [B, H] bf16, at the layer's parity (`jax_kimik3.mailbox` has the layout):
+One-shot
+1. producer: r's rows, each bf16 -0 rewritten to +0, go to slot r of every rank's mailbox;
+2. consumer: r polls its T slots (volatile loads, raw-bit compares with SENTINEL) until every
+   word has landed, sums the slots in rank order in fp32 (so every rank gets bitwise-identical
+   rows), rounds to bf16 and re-arms the slots.
+Two-shot (each GPU receives ~2·B·H·2 bytes instead of T·B·H·2)
+1. producer: column chunk c (H/T columns) of r's rows goes to slot r of owner c's receive region;
+2. owner: r polls its T receive slots, sums them in rank order, rounds, and writes its reduced
+   chunk into every rank's gather region; then re-arms its receive slots;
+3. consumer: r polls its gather region (one slot per chunk owner's columns), copies, re-arms.
+
+Why two parities suffice: layer i uses parity i % 2. Rank r re-arms layer L's slots (its
+consumer of L) before it publishes layer L+1, and no peer can publish layer L+2, the next user
+of L's parity, before it has consumed layer L+1, which needs r's L+1 rows. So L+2's rows never
+land before L's re-arm. Separate kernels on one stream get "re-arm before the next publish"
+from the kernel boundary; a fused producer+consumer kernel must put a `fence.acq_rel.sys`
+between its re-arm stores and its next publish, or a peer may see the publish first and its
+L+2 rows be overwritten by a late re-arm.
+
+A consumer or owner that waits longer than `max_spins` polls on one word (a peer that never
+publishes) sets its rank's status word and finishes with wrong rows: `Mailbox.check()` raises
+it as a TimeoutError. Nothing spins forever.
+Kernels take the peer table (uint32 [T, 2]) and the rank (int32 [1]) as inputs, and return or
+take int32 tokens that order them in XLA (they share memory XLA does not see).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import jax
+import jax.numpy as jnp
+from cutlass import Int32, Int64, Uint32
+from cutlass.jax import cutlass_call
+
+from jax_kimik3.kernels.primitives import (address_of, f32_to_words, load_words, poll, store_words,
+                                           without_negative_zero, words_to_f32)
+from jax_kimik3.mailbox import SENTINEL, MailboxLayout
+
+THREADS = 128
+VECTOR_BYTES = 16  # 8 bf16, four 32-bit words
+MAX_SPINS = 1 << 22  # polls of one word before a consumer gives up (seconds, not forever)
+
+
+def _item(nvec):
+    """(row, vector) of this thread in a flat [rows, nvec] grid."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    item = bidx * THREADS + tidx
+    row = item // nvec
+    return item, row, item - row * nvec
+
+
+def _grid(batch, nvec):
+    return [(batch * nvec + THREADS - 1) // THREADS, 1, 1]
+
+
+class Producer:
+    """Publishes one rank's rows into the mailboxes (one-shot: every rank; two-shot: owners)."""
+
+    def __init__(self, layout: MailboxLayout, parity: int, two_shot: bool):
+        self.layout, self.parity, self.two_shot = layout, parity, two_shot
+
+    @cute.jit
+    def __call__(self, stream, rows: cute.Tensor, table: cute.Tensor, rank: cute.Tensor,
+                 after: cute.Tensor, token: cute.Tensor):
+        batch = cute.size(rows, mode=[0])
+        nvec = self.layout.hidden // 8
+        self.kernel(rows, table, rank, token, batch).launch(
+            grid=_grid(batch, nvec), block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, rows: cute.Tensor, table: cute.Tensor, rank_t: cute.Tensor,
+               token: cute.Tensor, batch: Int32):
+        lay = self.layout
+        nvec = lay.hidden // 8
+        item, row, vec = _item(nvec)
+        if row < batch:
+            rank = rank_t[0]
+            source = Int64(rows.iterator.toint()) + Int64(row) * lay.row_bytes + Int64(vec) * 16
+            words = without_negative_zero(load_words(source))
+            if cutlass.const_expr(not self.two_shot):
+                offset = (Int64(lay.one_shot(self.parity, 0)) + Int64(rank) * (lay.capacity * lay.row_bytes)
+                          + Int64(row) * lay.row_bytes + Int64(vec) * 16)
+                for q in cutlass.range_constexpr(lay.tp):
+                    store_words(address_of(table, q) + offset, words)
+            else:
+                chunk_vecs = lay.chunk // 8
+                owner = vec // chunk_vecs
+                offset = (Int64(lay.receive(self.parity, 0)) + Int64(rank) * (lay.capacity * lay.chunk * 2)
+                          + Int64(row) * (lay.chunk * 2) + Int64(vec - owner * chunk_vecs) * 16)
+                store_words(address_of(table, owner) + offset, words)
+        if item == 0:
+            token[0] = Int32(1)
+
+
+class Owner:
+    """Two-shot middle step: sum this rank's receive slots, send the chunk to every gather."""
+
+    def __init__(self, layout: MailboxLayout, parity: int, batch: int, max_spins: int):
+        self.layout, self.parity, self.batch, self.max_spins = layout, parity, batch, max_spins
+
+    @cute.jit
+    def __call__(self, stream, table: cute.Tensor, rank: cute.Tensor, deps: cute.Tensor,
+                 token: cute.Tensor):
+        self.kernel(table, rank, token).launch(
+            grid=_grid(self.batch, self.layout.chunk // 8), block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, table: cute.Tensor, rank_t: cute.Tensor, token: cute.Tensor):
+        lay = self.layout
+        chunk_vecs, chunk_bytes = lay.chunk // 8, lay.chunk * 2
+        item, row, vec = _item(chunk_vecs)
+        if row < self.batch:
+            rank = rank_t[0]
+            mine = address_of(table, rank)
+            status = mine + lay.status
+            acc = [cutlass.Float32(0.0)] * 8
+            for q in cutlass.range_constexpr(lay.tp):  # rank order: identical sums everywhere
+                slot = mine + (lay.receive(self.parity, q, 0) + Int64(row) * chunk_bytes
+                               + Int64(vec) * 16)
+                values = words_to_f32(poll(slot, self.max_spins, status))
+                acc = [a + v for a, v in zip(acc, values)]
+            words = without_negative_zero(f32_to_words(acc))
+            target = (Int64(lay.gather(self.parity, 0)) + Int64(row) * lay.row_bytes
+                      + (Int64(rank) * chunk_vecs + Int64(vec)) * 16)
+            for q in cutlass.range_constexpr(lay.tp):
+                store_words(address_of(table, q) + target, words)
+            for q in cutlass.range_constexpr(lay.tp):
+                slot = mine + (lay.receive(self.parity, q, 0) + Int64(row) * chunk_bytes
+                               + Int64(vec) * 16)
+                store_words(slot, [Uint32(SENTINEL)] * 4)
+        if item == 0:
+            token[0] = Int32(1)
+
+
+class Consumer:
+    """Polls this rank's slots (one-shot: T slots; two-shot: the gather region), sums, re-arms."""
+
+    def __init__(self, layout: MailboxLayout, parity: int, two_shot: bool, max_spins: int):
+        self.layout, self.parity, self.two_shot, self.max_spins = (
+            layout, parity, two_shot, max_spins)
+
+    @cute.jit
+    def __call__(self, stream, table: cute.Tensor, rank: cute.Tensor, deps: cute.Tensor,
+                 out: cute.Tensor):
+        batch = cute.size(out, mode=[0])
+        self.kernel(table, rank, out, batch).launch(
+            grid=_grid(batch, self.layout.hidden // 8), block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, table: cute.Tensor, rank_t: cute.Tensor, out: cute.Tensor, batch: Int32):
+        lay = self.layout
+        item, row, vec = _item(lay.hidden // 8)
+        if row < batch:
+            mine = address_of(table, rank_t[0])
+            status = mine + lay.status
+            within = Int64(row) * lay.row_bytes + Int64(vec) * 16
+            if cutlass.const_expr(self.two_shot):
+                slots = [mine + lay.gather(self.parity, 0) + within]
+            else:
+                slots = [mine + lay.one_shot(self.parity, q, 0) + within
+                         for q in range(lay.tp)]
+            words = poll(slots[0], self.max_spins, status)
+            if cutlass.const_expr(len(slots) > 1):
+                acc = words_to_f32(words)
+                for q in cutlass.range_constexpr(1, len(slots)):  # rank order
+                    values = words_to_f32(poll(slots[q], self.max_spins, status))
+                    acc = [a + v for a, v in zip(acc, values)]
+                words = f32_to_words(acc)
+            store_words(Int64(out.iterator.toint()) + within, words)
+            for slot in slots:
+                store_words(slot, [Uint32(SENTINEL)] * 4)
+
+
+@functools.cache
+def _producer(layout, parity, two_shot):
+    return Producer(layout, parity, two_shot)
+
+
+@functools.cache
+def _owner(layout, parity, batch, max_spins):
+    return Owner(layout, parity, batch, max_spins)
+
+
+@functools.cache
+def _consumer(layout, parity, two_shot, max_spins):
+    return Consumer(layout, parity, two_shot, max_spins)
+
+
+def _token():
+    return jax.ShapeDtypeStruct((1,), jnp.int32)
+
+
+def _publish(rows, table, rank, after, layout, parity, two_shot):
+    return cutlass_call(_producer(layout, parity, two_shot), output_shape_dtype=_token())(
+        rows, table, rank, after)
+
+
+def all_reduce(rows, table, rank, *, layout, parity, two_shot=False, max_spins=MAX_SPINS,
+               after=None):
+    """One rank's all-reduced rows [B, H] bf16 (inside shard_map: `rank` = its axis index [1]).
+
+    `after`: an array XLA must finish before this rank publishes (the protocol needs the
+    previous use of this parity consumed first; data flow usually implies it).
+    """
+    batch = rows.shape[0]
+    token = _publish(rows, table, rank, rows if after is None else after, layout, parity, two_shot)
+    if two_shot:
+        token = cutlass_call(_owner(layout, parity, batch, max_spins),
+                             output_shape_dtype=_token())(table, rank, token)
+    return cutlass_call(_consumer(layout, parity, two_shot, max_spins),
+                        output_shape_dtype=jax.ShapeDtypeStruct(rows.shape, rows.dtype))(
+        table, rank, token)
+
+
+def all_reduce_virtual(partials, table, *, layout, parity, two_shot=False, max_spins=MAX_SPINS,
+                       after=None):
+    """All T ranks on one GPU: every producer, [every owner,] then every consumer.
+
+    partials [T, B, H] bf16 → [T, B, H] bf16, each rank's all-reduced rows.
+    """
+    tp, batch = partials.shape[0], partials.shape[1]
+    after = partials if after is None else after
+    ranks = [jnp.full((1,), r, jnp.int32) for r in range(tp)]
+    tokens = jnp.concatenate([_publish(partials[r], table, ranks[r], after, layout, parity,
+                                       two_shot) for r in range(tp)])
+    if two_shot:
+        tokens = jnp.concatenate([
+            cutlass_call(_owner(layout, parity, batch, max_spins), output_shape_dtype=_token())(
+                table, ranks[r], tokens) for r in range(tp)])
+    out = jax.ShapeDtypeStruct(partials.shape[1:], partials.dtype)
+    return jnp.stack([
+        cutlass_call(_consumer(layout, parity, two_shot, max_spins), output_shape_dtype=out)(
+            table, ranks[r], tokens) for r in range(tp)])
+
+
+class ArmedCheck:
+    """Counts the words of every rank's armed regions that do not hold SENTINEL."""
+
+    def __init__(self, layout: MailboxLayout):
+        self.layout = layout
+
+    @cute.jit
+    def __call__(self, stream, table: cute.Tensor, after: cute.Tensor, count: cute.Tensor):
+        per_rank = self.layout.armed_bytes // VECTOR_BYTES
+        self.kernel(table, count).launch(grid=_grid(self.layout.tp, per_rank),
+                                         block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, table: cute.Tensor, count: cute.Tensor):
+        item, rank, vec = _item(self.layout.armed_bytes // VECTOR_BYTES)
+        if rank < self.layout.tp:
+            words = load_words(address_of(table, rank) + Int64(vec) * VECTOR_BYTES, volatile=True)
+            unarmed = Int32(0)
+            for w in words:
+                unarmed = unarmed + Int32(w != Uint32(SENTINEL))
+            if unarmed > 0:
+                cute.arch.atomic_add(count.iterator.llvm_ptr, unarmed)
+
+
+@functools.cache
+def _armed_check(layout):
+    return ArmedCheck(layout)
+
+
+def unarmed_words(table, *, layout, after):
+    """int32 [1]: words of all armed regions not holding SENTINEL, read after `after` is done."""
+    return cutlass_call(_armed_check(layout), output_shape_dtype=_token(),
+                        input_output_aliases={2: 0})(table, after, jnp.zeros((1,), jnp.int32))

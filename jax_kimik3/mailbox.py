@@ -1,0 +1,241 @@
+"""Sentinel-armed ("Lamport") mailboxes in peer-mapped GPU memory for the TP all-reduce.
+
+Each rank owns one buffer, allocated with cuda-python's VMM API (cuMemCreate on the rank's
+device, cuMemMap into one virtual range, cuMemSetAccess for every device of the mesh), so a
+single process's kernels read and write every rank's buffer through one address (unified VA).
+A rank's buffer, bf16 unless said, at these byte offsets (T = TP, C = capacity rows, H = hidden):
+
+| region | shape | bytes |
+|---|---|---|
+| one-shot slots | [2 parities, T ranks, C, H] | 2·T·C·H·2 |
+| two-shot receive | [2, T ranks, C, H/T] (chunk `rank` of each peer's rows) | 2·C·H·2 |
+| two-shot gather | [2, C, H] (every owner's reduced chunk) | 2·C·H·2 |
+| status | one int32: 1 after a consumer's bounded spin timed out | 4 |
+
+rounded up to the allocation granularity. Every bf16 region is armed with the 32-bit word
+0x80000000 (SENTINEL); status starts at 0. Kernels find the buffers through the peer table:
+uint32 [T, 2] = (low, high) words of each rank's address, an ordinary int32-free JAX input
+(no x64 needed). "Virtual TP" puts all T buffers on one device, so one GPU runs the protocol.
+
+Multicast (NVLink SHARP) mailboxes are not implemented; asking for one is refused outright
+where the environment disables multicast (NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1), which it does on the shared test machines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import weakref
+
+import numpy as np
+
+from jax_kimik3.config import KIMI_K3
+
+SENTINEL = 0x80000000  # fp32 -0: a mailbox word no producer can publish (bf16 -0 becomes +0)
+PARITIES = 2  # layer i uses parity i % 2; why two suffice: jax_kimik3/kernels/lamport.py
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
+                 "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+_ALIGN = 256
+
+
+def _align(n, to=_ALIGN):
+    return (n + to - 1) // to * to
+
+
+@dataclasses.dataclass(frozen=True)
+class MailboxLayout:
+    """Byte offsets inside one rank's buffer (see the module docstring); pure arithmetic."""
+
+    tp: int
+    capacity: int = KIMI_K3.mailbox_capacity
+    hidden: int = KIMI_K3.hidden_size
+
+    def __post_init__(self):
+        if self.tp < 1 or self.hidden % (8 * self.tp):
+            raise ValueError(f"tp={self.tp} must be >= 1 and divide hidden={self.hidden} into "
+                             "whole 8-element vectors")
+        if self.capacity < 1:
+            raise ValueError(f"capacity={self.capacity} must be >= 1")
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * 2
+
+    @property
+    def chunk(self) -> int:
+        """Columns of the two-shot chunk each rank owns: H / TP."""
+        return self.hidden // self.tp
+
+    def one_shot(self, parity: int, slot: int, row: int = 0) -> int:
+        """Row `row` of one-shot slot `slot` (the publishing rank) at `parity`."""
+        return ((parity * self.tp + slot) * self.capacity + row) * self.row_bytes
+
+    @property
+    def one_shot_bytes(self) -> int:
+        return PARITIES * self.tp * self.capacity * self.row_bytes
+
+    def receive(self, parity: int, slot: int, row: int = 0) -> int:
+        """Row `row` of two-shot receive slot `slot` (the sending rank): H/T columns."""
+        chunk_bytes = self.chunk * 2
+        return self.one_shot_bytes + ((parity * self.tp + slot) * self.capacity + row) * chunk_bytes
+
+    def gather(self, parity: int, row: int = 0) -> int:
+        """Row `row` of the two-shot gather region at `parity`."""
+        return self.one_shot_bytes + PARITIES * self.capacity * self.row_bytes + (
+            parity * self.capacity + row) * self.row_bytes
+
+    @property
+    def armed_bytes(self) -> int:
+        """The sentinel-armed prefix of the buffer: every bf16 region."""
+        return self.gather(PARITIES)
+
+    @property
+    def status(self) -> int:
+        return _align(self.armed_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.status + _ALIGN
+
+
+def refuse_multicast(environ=os.environ):
+    """Raise if the environment disables NVLink multicast (the shared test machines do)."""
+    for name, off in MULTICAST_OFF.items():
+        if environ.get(name) == off:
+            raise RuntimeError(
+                f"multicast mailbox refused: {name}={off} disables NVLink multicast here")
+
+
+def peer_table(addresses) -> np.ndarray:
+    """uint32 [T, 2]: each rank buffer's address as (low, high) 32-bit words."""
+    return np.asarray(addresses, np.uint64).view(np.uint32).reshape(len(addresses), 2)
+
+
+def _check(result):
+    """cuda-python returns (error, *values): raise on an error, return the values."""
+    error, *values = result
+    if int(error) != 0:
+        raise RuntimeError(f"CUDA driver call failed: {error!r}")
+    return values[0] if len(values) == 1 else values
+
+
+class Mailbox:
+    """One sentinel-armed buffer per TP rank; create with `for_devices` or `virtual`, then close.
+
+    Also a context manager; buffers still open at interpreter exit are freed then.
+    """
+
+    def __init__(self, ordinals, layout: MailboxLayout, *, multicast=False):
+        if multicast:
+            refuse_multicast()
+            raise NotImplementedError("multicast mailboxes are not implemented; use peer stores")
+        from cuda.bindings import driver as cu
+
+        self._cu, self.layout, self.ordinals = cu, layout, tuple(ordinals)
+        _check(cu.cuInit(0))
+        self._contexts = {o: _check(cu.cuDevicePrimaryCtxRetain(_check(cu.cuDeviceGet(o))))
+                          for o in set(self.ordinals)}
+        self._buffers = []  # (address, size, handle)
+        try:
+            for ordinal in self.ordinals:
+                self._buffers.append(self._allocate(ordinal))
+            self.addresses = tuple(b[0] for b in self._buffers)
+            self.peer_table = peer_table(self.addresses)
+            self.arm()
+        except BaseException:
+            self.close()
+            raise
+        # Frees the buffers when the mailbox is collected or, at the latest, at interpreter exit.
+        self._finalizer = weakref.finalize(self, Mailbox._free, cu, self._buffers)
+
+    @classmethod
+    def for_devices(cls, devices, **kwargs):
+        """One buffer on each JAX device of a TP mesh axis (rank r on devices[r])."""
+        ordinals = [d.local_hardware_id for d in devices]
+        return cls(ordinals, MailboxLayout(len(ordinals)), **kwargs)
+
+    @classmethod
+    def virtual(cls, device, tp, **kwargs):
+        """All `tp` ranks' buffers on one JAX device: "virtual TP"."""
+        return cls([device.local_hardware_id] * tp, MailboxLayout(tp), **kwargs)
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    def _allocate(self, ordinal):
+        cu = self._cu
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = ordinal
+        granularity = _check(cu.cuMemGetAllocationGranularity(
+            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        size = _align(self.layout.nbytes, int(granularity))
+        handle = _check(cu.cuMemCreate(size, prop, 0))
+        address = _check(cu.cuMemAddressReserve(size, 0, 0, 0))
+        _check(cu.cuMemMap(address, size, 0, handle, 0))
+        access = []
+        for peer in sorted(set(self.ordinals)):  # every device of the mesh reads and writes it
+            desc = cu.CUmemAccessDesc()
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = peer
+            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            access.append(desc)
+        _check(cu.cuMemSetAccess(address, size, access, len(access)))
+        return int(address), size, handle
+
+    def _synchronize(self):
+        for ordinal, ctx in self._contexts.items():
+            _check(self._cu.cuCtxSetCurrent(ctx))
+            _check(self._cu.cuCtxSynchronize())
+
+    def arm(self):
+        """Write SENTINEL over every slot of every rank and clear the status words."""
+        self._synchronize()  # no kernel may still use the slots
+        for (address, _, _), ordinal in zip(self._buffers, self.ordinals):
+            _check(self._cu.cuCtxSetCurrent(self._contexts[ordinal]))
+            _check(self._cu.cuMemsetD32(address, SENTINEL, self.layout.armed_bytes // 4))
+            _check(self._cu.cuMemsetD32(address + self.layout.status, 0, 1))
+        self._synchronize()
+
+    def read(self, rank, offset, nbytes, dtype=np.uint32) -> np.ndarray:
+        """A host copy of `nbytes` of rank `rank`'s buffer from byte `offset` (for checks)."""
+        out = np.empty(nbytes // np.dtype(dtype).itemsize, dtype)
+        self._synchronize()
+        _check(self._cu.cuMemcpyDtoH(out.ctypes.data, self.addresses[rank] + offset, nbytes))
+        return out
+
+    def timed_out(self) -> list[int]:
+        """The ranks whose consumer's bounded spin gave up since the last `arm`."""
+        return [r for r in range(self.tp) if self.read(r, self.layout.status, 4)[0]]
+
+    def check(self):
+        """Raise TimeoutError if any consumer timed out waiting for a peer."""
+        ranks = self.timed_out()
+        if ranks:
+            raise TimeoutError(f"mailbox consumers of ranks {ranks} timed out waiting for a peer")
+
+    @staticmethod
+    def _free(cu, buffers):
+        for address, size, handle in buffers:
+            cu.cuMemUnmap(address, size)
+            cu.cuMemAddressFree(address, size)
+            cu.cuMemRelease(handle)
+        buffers.clear()
+
+    def close(self):
+        """Free every buffer, once the GPU has finished with them; closing twice is harmless."""
+        if self._buffers:
+            self._synchronize()
+        Mailbox._free(self._cu, self._buffers)
+        for ordinal in self._contexts:
+            self._cu.cuDevicePrimaryCtxRelease(self._cu.cuDeviceGet(ordinal)[1])
+        self._contexts = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

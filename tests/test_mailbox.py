@@ -1,0 +1,135 @@
+"""CPU: mailbox layout arithmetic, the multicast refusal, and the Lamport kernels' lowering."""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_kimik3 as k3
+from jax_kimik3.mailbox import (MULTICAST_OFF, PARITIES, SENTINEL, Mailbox, MailboxLayout,
+                                peer_table, refuse_multicast)
+
+H, C = 7168, 64
+ROW = H * 2
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
+def test_layout_regions(tp):
+    lay = MailboxLayout(tp)
+    one_shot = PARITIES * tp * C * ROW
+    assert lay.one_shot(0, 0) == 0
+    assert lay.one_shot(1, 0) == tp * C * ROW  # parity 1 follows parity 0's T slots
+    assert lay.one_shot(0, 1) == C * ROW and lay.one_shot(1, tp - 1, C - 1) == one_shot - ROW
+    assert lay.receive(0, 0) == one_shot
+    assert lay.chunk == H // tp and lay.receive(0, 1) - lay.receive(0, 0) == C * (H // tp) * 2
+    assert lay.receive(1, 0) == one_shot + tp * C * (H // tp) * 2
+    assert lay.gather(0) == one_shot + PARITIES * C * ROW
+    assert lay.gather(1, 3) == lay.gather(0) + C * ROW + 3 * ROW
+    assert lay.armed_bytes == one_shot + 2 * PARITIES * C * ROW
+    assert lay.status >= lay.armed_bytes and lay.status % 256 == 0 and lay.nbytes > lay.status
+
+
+def test_layout_size_at_tp8():
+    """[2, 8, 64, 7168] bf16 one-shot slots plus 2 x [2, 64, 7168] two-shot regions."""
+    assert MailboxLayout(8).armed_bytes == 2 * 8 * 64 * 7168 * 2 + 2 * 2 * 64 * 7168 * 2
+
+
+@pytest.mark.parametrize("tp", [0, 3, 5])
+def test_layout_rejects_bad_tp(tp):
+    with pytest.raises(ValueError, match=f"tp={tp} must be >= 1 and divide hidden=7168"):
+        MailboxLayout(tp)
+
+
+def test_parity_alternates_by_layer():
+    assert [k3.KIMI_K3.layer(i).parity for i in range(4)] == [0, 1, 0, 1]
+
+
+def test_peer_table_words():
+    addresses = [0x7F12_3456_7800, 0x1_0000_0000, 0xFFFF_FFFF]
+    table = peer_table(addresses)
+    assert table.dtype == np.uint32 and table.shape == (3, 2)
+    assert [int(lo) | int(hi) << 32 for lo, hi in table] == addresses
+
+
+@pytest.mark.parametrize("name", sorted(MULTICAST_OFF))
+def test_multicast_refused(monkeypatch, name):
+    for other in MULTICAST_OFF:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, MULTICAST_OFF[name])
+    with pytest.raises(RuntimeError, match=f"multicast mailbox refused: {name}="):
+        Mailbox([0, 1], MailboxLayout(2), multicast=True)
+    with pytest.raises(RuntimeError, match=name):
+        refuse_multicast()
+
+
+def test_sentinel_is_negative_zero():
+    assert np.array([SENTINEL], np.uint32).view(np.float32)[0] == 0.0
+    assert np.signbit(np.array([SENTINEL], np.uint32).view(np.float32)[0])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FakeMailbox:
+    """Layout and peer table without GPU memory: enough to trace and lower."""
+
+    layout: MailboxLayout
+
+    @property
+    def tp(self):
+        return self.layout.tp
+
+    @property
+    def peer_table(self):
+        return peer_table([0x1000_0000 * (r + 1) for r in range(self.tp)])
+
+
+def _lower(f, *args):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+pytest.importorskip("cutlass")
+
+
+@pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
+@pytest.mark.parametrize("tp", [2, 4, 8, 16])
+def test_virtual_all_reduce_lowers(tp, two_shot):
+    mailbox = FakeMailbox(MailboxLayout(tp))
+    text = _lower(functools.partial(k3.all_reduce_virtual, mailbox=mailbox, parity=tp % 2,
+                                    two_shot=two_shot),
+                  jax.ShapeDtypeStruct((tp, 8, H), jnp.bfloat16))
+    assert "CuteDSLRT_NvJaxCutlassCall" in text
+
+
+@pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
+def test_all_reduce_lowers_under_shard_map(two_shot):
+    tp = 4
+    mailbox = FakeMailbox(MailboxLayout(tp))
+    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    f = jax.shard_map(functools.partial(k3.all_reduce, mailbox=mailbox, axis_name="tp", parity=0,
+                                        two_shot=two_shot),
+                      mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+    text = _lower(f, jax.ShapeDtypeStruct((tp * 8, H), jnp.bfloat16))
+    assert text.count("CuteDSLRT_NvJaxCutlassCall") >= 2 + two_shot
+
+
+def test_all_reduce_rejects_bad_input():
+    mailbox = FakeMailbox(MailboxLayout(2))
+    with pytest.raises(ValueError, match=r"partials\[r\] has batch B=65; must be in \[1, 64\]"):
+        _lower(functools.partial(k3.all_reduce_virtual, mailbox=mailbox, parity=0),
+               jax.ShapeDtypeStruct((2, 65, H), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"parity=2 must be 0 or 1"):
+        _lower(functools.partial(k3.all_reduce_virtual, mailbox=mailbox, parity=2),
+               jax.ShapeDtypeStruct((2, 8, H), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"partials has shape=\(3, 8, 7168\); expected \[tp=2, B, H\]"):
+        _lower(functools.partial(k3.all_reduce_virtual, mailbox=mailbox, parity=0),
+               jax.ShapeDtypeStruct((3, 8, H), jnp.bfloat16))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    f = jax.shard_map(functools.partial(k3.all_reduce, mailbox=mailbox, axis_name="tp", parity=0),
+                      mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+    with pytest.raises(ValueError, match=r"axis 'tp' has 4 ranks; the mailbox has tp=2"):
+        _lower(f, jax.ShapeDtypeStruct((32, H), jnp.bfloat16))
