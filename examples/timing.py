@@ -14,12 +14,14 @@ import gzip
 import json
 import pathlib
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-GAP_US = 200.0  # an idle GPU gap this long separates two runs of the chain
+PAUSE_S = 0.002  # the host waits this long between runs of the chain ...
+GAP_US = 1000.0  # ... so an idle GPU gap this long separates two runs
 
 
 def _gpu_kernel_events(trace_dir):
@@ -67,6 +69,7 @@ def time_per_call(step, carry, input_sets, *, repeats=20):
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(repeats):
                 jax.block_until_ready(chain(carry, input_sets))
+                time.sleep(PAUSE_S)
         runs = _runs(_gpu_kernel_events(trace_dir))
     if len(runs) != repeats:
         raise RuntimeError(f"found {len(runs)} runs of the chain in the profile, expected {repeats}")

@@ -179,7 +179,9 @@ def is_armed(words):
 @cute.jit
 def address_of(table: cute.Tensor, rank):
     """Rank `rank`'s buffer address from the peer table's (low, high) uint32 words."""
-    return (Int64(table[rank, 1]) << Int64(32)) | Int64(table[rank, 0])
+    low, high = Int64(table[rank, 0]), Int64(table[rank, 1])  # Int64() sign-extends a uint32
+    mask = Int64(0xFFFFFFFF)
+    return ((high & mask) << Int64(32)) | (low & mask)
 
 
 @cute.jit
