@@ -67,18 +67,18 @@ class MailboxLayout:
         """Columns of the two-shot chunk each rank owns: H / TP."""
         return self.hidden // self.tp
 
-    def one_shot(self, parity: int, slot: int, row: int = 0) -> int:
-        """Row `row` of one-shot slot `slot` (the publishing rank) at `parity`."""
-        return ((parity * self.tp + slot) * self.capacity + row) * self.row_bytes
+    def slot(self, parity: int, rank: int, row: int = 0) -> int:
+        """Row `row` of the one-shot slot that rank `rank` publishes into, at `parity`."""
+        return ((parity * self.tp + rank) * self.capacity + row) * self.row_bytes
 
     @property
     def one_shot_bytes(self) -> int:
         return PARITIES * self.tp * self.capacity * self.row_bytes
 
-    def receive(self, parity: int, slot: int, row: int = 0) -> int:
-        """Row `row` of two-shot receive slot `slot` (the sending rank): H/T columns."""
+    def receive(self, parity: int, rank: int, row: int = 0) -> int:
+        """Row `row` of the two-shot receive slot of sending rank `rank`: H/T columns."""
         chunk_bytes = self.chunk * 2
-        return self.one_shot_bytes + ((parity * self.tp + slot) * self.capacity + row) * chunk_bytes
+        return self.one_shot_bytes + ((parity * self.tp + rank) * self.capacity + row) * chunk_bytes
 
     def gather(self, parity: int, row: int = 0) -> int:
         """Row `row` of the two-shot gather region at `parity`."""

@@ -23,9 +23,9 @@ ROW = H * 2
 def test_layout_regions(tp):
     lay = MailboxLayout(tp)
     one_shot = PARITIES * tp * C * ROW
-    assert lay.one_shot(0, 0) == 0
-    assert lay.one_shot(1, 0) == tp * C * ROW  # parity 1 follows parity 0's T slots
-    assert lay.one_shot(0, 1) == C * ROW and lay.one_shot(1, tp - 1, C - 1) == one_shot - ROW
+    assert lay.slot(0, 0) == 0
+    assert lay.slot(1, 0) == tp * C * ROW  # parity 1 follows parity 0's T slots
+    assert lay.slot(0, 1) == C * ROW and lay.slot(1, tp - 1, C - 1) == one_shot - ROW
     assert lay.receive(0, 0) == one_shot
     assert lay.chunk == H // tp and lay.receive(0, 1) - lay.receive(0, 0) == C * (H // tp) * 2
     assert lay.receive(1, 0) == one_shot + tp * C * (H // tp) * 2

@@ -70,6 +70,30 @@ def _smem_bytes(reductions: int, values: int) -> int:
     return 4 * reductions * values * (WARPS + CLUSTER) + 64
 
 
+@cute.jit
+def cluster_logits(sources: list, gw, warp_buf: cute.Tensor, cluster_buf: cute.Tensor, rank,
+                   eps: cutlass.Constexpr):
+    """z = Σv·g·w · rsqrt(Σv²/H + eps) of each source (this thread's fp32 columns of a row),
+    both sums taken over the cluster. Completes the kernel's launch-time
+    `cluster_arrive_relaxed` (peers' shared memory exists) before the first DSMEM store."""
+    partials = []
+    for s in sources:
+        partials.append((s * s).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+        partials.append((s * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+    cute.arch.cluster_wait()
+    sums = cluster_sums(partials, warp_buf, cluster_buf, CLUSTER, rank)
+    return [sums[2 * i + 1] * cute.math.rsqrt(sums[2 * i] * (1.0 / HIDDEN) + eps)
+            for i in range(len(sources))]
+
+
+@cute.jit
+def maximum(values: list):
+    top = values[0]
+    for v in values[1:]:
+        top = cute.arch.fmax(top, v)
+    return top
+
+
 class AttnResKernel:
     """out, new_prefix (and the block write, in place) from prefix, delta, blocks, weights."""
 
@@ -116,16 +140,8 @@ class AttnResKernel:
         if cutlass.const_expr(v.write_idx >= 0):
             store(blocks, (row, v.write_idx, col), p)
 
-        partials = []
-        for i in cutlass.range_constexpr(v.sources):
-            s = p if i == v.sources - 1 else load_f32(blocks, (row, i, col))
-            partials.append((s * s).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-            partials.append((s * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-        cute.arch.cluster_wait()
-        sums = cluster_sums(partials, warp_buf, cluster_buf, CLUSTER, rank)
-        z = []
-        for i in cutlass.range_constexpr(v.sources):
-            z.append(sums[2 * i + 1] * cute.math.rsqrt(sums[2 * i] * (1.0 / HIDDEN) + v.eps))
+        saved = [load_f32(blocks, (row, i, col)) for i in range(v.sources - 1)]
+        z = cluster_logits(saved + [p], gw, warp_buf, cluster_buf, rank, v.eps)
 
         if cutlass.const_expr(v.precomputed):
             m, s_saved = scal[row, 0], scal[row, 1]
@@ -133,9 +149,7 @@ class AttnResKernel:
             c, w_p = cute.math.exp(m - top), cute.math.exp(z[0] - top)
             mix = (load_f32(mixture, (row, col)) * c + p * w_p) * (1.0 / (c * s_saved + w_p))
         else:
-            top = z[0]
-            for i in cutlass.range_constexpr(1, v.sources):
-                top = cute.arch.fmax(top, z[i])
+            top = maximum(z)
             e = cute.math.exp(z[v.num_blocks] - top)
             total, acc = e, p * e
             for i in cutlass.range_constexpr(v.num_blocks):
@@ -181,19 +195,9 @@ class StatisticsKernel:
         warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
         gw = load_f32(res_norm_w, col) * load_f32(res_proj_w, col)
-        partials = []
-        for i in cutlass.range_constexpr(self.num_blocks):
-            b = load_f32(blocks, (row, i, col))
-            partials.append((b * b).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-            partials.append((b * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-        cute.arch.cluster_wait()
-        sums = cluster_sums(partials, warp_buf, cluster_buf, CLUSTER, rank)
-        z = []
-        for i in cutlass.range_constexpr(self.num_blocks):
-            z.append(sums[2 * i + 1] * cute.math.rsqrt(sums[2 * i] * (1.0 / HIDDEN) + self.eps))
-        top = z[0]
-        for i in cutlass.range_constexpr(1, self.num_blocks):
-            top = cute.arch.fmax(top, z[i])
+        saved = [load_f32(blocks, (row, i, col)) for i in range(self.num_blocks)]
+        z = cluster_logits(saved, gw, warp_buf, cluster_buf, rank, self.eps)
+        top = maximum(z)
         total = Float32(0.0)
         acc = gw * 0.0
         for i in cutlass.range_constexpr(self.num_blocks):

@@ -85,7 +85,7 @@ class Producer:
             source = Int64(rows.iterator.toint()) + Int64(row) * lay.row_bytes + Int64(vec) * 16
             words = without_negative_zero(load_words(source))
             if cutlass.const_expr(not self.two_shot):
-                offset = (Int64(lay.one_shot(self.parity, 0)) + Int64(rank) * (lay.capacity * lay.row_bytes)
+                offset = (Int64(lay.slot(self.parity, 0)) + Int64(rank) * (lay.capacity * lay.row_bytes)
                           + Int64(row) * lay.row_bytes + Int64(vec) * 16)
                 for q in cutlass.range_constexpr(lay.tp):
                     store_words(address_of(table, q) + offset, words)
@@ -164,7 +164,7 @@ class Consumer:
             if cutlass.const_expr(self.two_shot):
                 slots = [mine + lay.gather(self.parity, 0) + within]
             else:
-                slots = [mine + lay.one_shot(self.parity, q, 0) + within
+                slots = [mine + lay.slot(self.parity, q, 0) + within
                          for q in range(lay.tp)]
             words = poll(slots[0], self.max_spins, status)
             if cutlass.const_expr(len(slots) > 1):
