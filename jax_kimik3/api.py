@@ -57,27 +57,45 @@ def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps=1e-5,
 
 
 @functools.partial(jax.jit, static_argnames=("axis_name", "num_blocks", "has_delta", "eps",
-                                             "out_eps"))
+                                             "out_eps", "mailbox", "parity", "backend"))
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
-                   num_blocks, has_delta, eps=1e-5, out_eps=1e-5):
+                   num_blocks, has_delta, eps=1e-5, out_eps=1e-5, mailbox=None, parity=0,
+                   backend: Backend = "auto"):
     """Row-parallel o_proj, its all-reduce over `axis_name`, then the post-attention AttnRes.
 
     Call inside `shard_map`: x [B, K_local] and w [H, K_local] are this rank's shards.
     Returns (out, new_prefix, new_blocks); without `has_delta` the new prefix is the reduced
-    attn_out (a new block starts) and `prefix` is not read.
+    attn_out (a new block starts) and `prefix` is not read. With a `mailbox` (one buffer per
+    rank of `axis_name`) and `parity` (layer % 2) the all-reduce and AttnRes run as kernels:
+    a Lamport publish, then an AttnRes kernel that sums the mailbox slots; without one, XLA's
+    psum and the reference.
     """
     check = Checker("oproj_attn_res")
     rows = check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                           num_blocks=num_blocks, eps=eps, out_eps=out_eps)
     if rows is not None and check.array("x", x, (rows[0], None), jnp.bfloat16):
         check.array("w", w, (rows[1], x.shape[1]), jnp.bfloat16)
+    check_backend(check, backend)
+    if mailbox is not None:
+        _check_all_reduce(check, prefix, "prefix", mailbox, parity, axis_name)
+    elif backend == "kernel":
+        check.fail("backend='kernel' needs mailbox= (the all-reduce's peer buffers)")
     check.done()
+    if mailbox is not None and use_kernels(backend, prefix.shape[1]):
+        from jax_kimik3.kernels import oproj
+
+        rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+        return oproj.oproj_attn_res(
+            x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+            table=jnp.asarray(mailbox.peer_table), rank=rank, layout=mailbox.layout,
+            parity=parity, num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps)
     return reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                                     axis_name=axis_name, num_blocks=num_blocks,
                                     has_delta=has_delta, eps=eps, out_eps=out_eps)
 
 
-def _check_all_reduce(check, rows, name, mailbox, parity):
+def _check_all_reduce(check, rows, name, mailbox, parity, axis_name=None):
+    """Rows that fit the mailbox, a parity, and (in shard_map) one rank per mailbox buffer."""
     layout = mailbox.layout
     check.array(name, rows, (None, layout.hidden), jnp.bfloat16)
     if rows.ndim == 2 and rows.shape[0] > layout.capacity:
@@ -85,6 +103,9 @@ def _check_all_reduce(check, rows, name, mailbox, parity):
                    "(mailbox capacity)")
     if parity not in (0, 1):
         check.fail(f"parity={parity} must be 0 or 1 (layer index % 2)")
+    if axis_name is not None and jax.lax.axis_size(axis_name) != mailbox.tp:
+        check.fail(f"axis {axis_name!r} has {jax.lax.axis_size(axis_name)} ranks; the mailbox "
+                   f"has tp={mailbox.tp}")
 
 
 @functools.partial(jax.jit, static_argnames=("mailbox", "axis_name", "parity", "two_shot",
@@ -99,10 +120,7 @@ def all_reduce(rows, mailbox, *, axis_name, parity, two_shot=False, max_spins=No
     from jax_kimik3.kernels import lamport
 
     check = Checker("all_reduce")
-    _check_all_reduce(check, rows, "rows", mailbox, parity)
-    tp = jax.lax.axis_size(axis_name)
-    if tp != mailbox.tp:
-        check.fail(f"axis {axis_name!r} has {tp} ranks; the mailbox has tp={mailbox.tp}")
+    _check_all_reduce(check, rows, "rows", mailbox, parity, axis_name)
     check.done()
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
     return lamport.all_reduce(rows, jnp.asarray(mailbox.peer_table), rank, layout=mailbox.layout,

@@ -133,3 +133,31 @@ def test_all_reduce_rejects_bad_input():
                       mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
     with pytest.raises(ValueError, match=r"axis 'tp' has 4 ranks; the mailbox has tp=2"):
         _lower(f, jax.ShapeDtypeStruct((32, H), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("has_delta", [True, False], ids=["delta", "new_block"])
+def test_oproj_attn_res_kernels_lower_under_shard_map(has_delta):
+    """With a mailbox the tail is kernels: the Lamport publish, then the AttnRes ring consumer."""
+    tp, b, nb = 4, 8, 8
+    mailbox = FakeMailbox(MailboxLayout(tp))
+    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    f = jax.shard_map(
+        functools.partial(k3.oproj_attn_res, axis_name="tp", num_blocks=3, has_delta=has_delta,
+                          mailbox=mailbox, parity=1, backend="kernel"),
+        mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")) + (P(),) * 5, out_specs=P())
+    s = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+    text = _lower(f, s((b, 12288)), s((H, 12288)), s((b, H)), s((b, nb, H)), s((H,)), s((H,)),
+                  s((H,)))
+    assert text.count("CuteDSLRT_NvJaxCutlassCall") >= 2
+    assert "all-reduce" not in text  # no XLA collective: the mailbox carries the sum
+
+
+def test_oproj_attn_res_kernel_backend_needs_a_mailbox():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    f = jax.shard_map(functools.partial(k3.oproj_attn_res, axis_name="tp", num_blocks=1,
+                                        has_delta=True, backend="kernel"),
+                      mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")) + (P(),) * 5,
+                      out_specs=P())
+    s = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"backend='kernel' needs mailbox="):
+        _lower(f, s((4, 64)), s((H, 64)), s((4, H)), s((4, 8, H)), s((H,)), s((H,)), s((H,)))

@@ -6,6 +6,9 @@ thread owning one 8-wide bf16 vector. Per row:
    `write_idx` when the layer writes a block);
 2. per source (the K saved blocks, then p) the partial Σv² and Σv·g·w of each thread, summed
    over the cluster through distributed shared memory (`primitives.cluster_sums`);
+   With a Lamport ring the delta (or, starting a block, p itself) is the all-reduce of the
+   TP ranks' o_proj rows: the thread polls its 8 columns in each rank's mailbox slot, sums
+   them in rank order, rounds to bf16 and re-arms the slots (see kernels/lamport.py);
 3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
    with precomputed statistics only p is reduced, and mix = (c·acc + w_p·p) / (c·s + w_p);
 4. the output RMSNorm: Σmix² over the cluster, then out = bf16(mix · rsqrt(Σmix²/H + eps) · g_out),
@@ -19,18 +22,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import jax
 import jax.numpy as jnp
-from cutlass import Float32
+from cutlass import Float32, Int64, Uint32
 from cutlass.jax import cutlass_call
 
 from jax_kimik3 import reference
 from jax_kimik3.config import KIMI_K3
-from jax_kimik3.kernels.primitives import VECTOR, WARP, cluster_sums, load_f32, store, vectors
+from jax_kimik3.kernels.primitives import (VECTOR, WARP, address_of, cluster_sums, load_f32, poll,
+                                           store, store_words, vectors, words_to_f32)
+from jax_kimik3.mailbox import SENTINEL, MailboxLayout
 
 HIDDEN = KIMI_K3.hidden_size
 CLUSTER = 7
@@ -58,6 +64,14 @@ class AttnResVariant:
     precomputed: bool  # read (mixture, scal) instead of the saved blocks
     eps: float
     out_eps: float
+    ring: MailboxLayout | None = None  # the delta is the all-reduce of these mailbox slots
+    parity: int = 0
+    max_spins: int = 0
+
+    @property
+    def stores_prefix(self) -> bool:
+        """A new prefix differs from the input prefix: a delta, or a block from the ring."""
+        return self.has_delta or self.ring is not None
 
     @property
     def sources(self) -> int:
@@ -102,8 +116,8 @@ class AttnResKernel:
 
     @cute.jit
     def __call__(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
-                 res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w,
-                 out: cute.Tensor, new_prefix=None):
+                 res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, table, rank,
+                 after, out: cute.Tensor, new_prefix=None):
         batch = cute.size(prefix, mode=[0])
         n = 2 * self.v.sources
         self.kernel(vectors(prefix), vectors(delta) if cutlass.const_expr(delta is not None) else None,
@@ -111,20 +125,20 @@ class AttnResKernel:
                     vectors(mixture) if cutlass.const_expr(mixture is not None) else None, scal,
                     vectors(res_norm_w), vectors(res_proj_w),
                     vectors(out_norm_w) if cutlass.const_expr(out_norm_w is not None) else None,
-                    vectors(out),
+                    table, rank, vectors(out),
                     vectors(new_prefix) if cutlass.const_expr(new_prefix is not None) else None).launch(
             grid=[CLUSTER, batch, 1], block=[THREADS, 1, 1], cluster=[CLUSTER, 1, 1],
             smem=_smem_bytes(2, n), stream=stream)
 
     @cute.kernel
     def kernel(self, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
-               res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w,
+               res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, table, rank_t,
                out: cute.Tensor, new_prefix):
         v = self.v
         tidx, _, _ = cute.arch.thread_idx()
-        rank, row, _ = cute.arch.block_idx()
+        cta, row, _ = cute.arch.block_idx()
         cute.arch.cluster_arrive_relaxed()  # peers' shared memory must exist before DSMEM stores
-        col = rank * THREADS + tidx
+        col = cta * THREADS + tidx
         n = 2 * v.sources
         smem = cutlass.memory.SmemAllocator()
         warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
@@ -133,15 +147,23 @@ class AttnResKernel:
         norm_cluster = smem.allocate_tensor(Float32, _row_major(CLUSTER, 1), byte_alignment=16)
 
         gw = load_f32(res_norm_w, col) * load_f32(res_proj_w, col)
-        p = load_f32(prefix, (row, col))
-        if cutlass.const_expr(v.has_delta):
-            p = (p + load_f32(delta, (row, col))).to(cutlass.BFloat16).to(Float32)
+        if cutlass.const_expr(v.ring is not None):
+            reduced = self.ring_sum(table, rank_t[0], row, col)
+            if cutlass.const_expr(v.has_delta):
+                p = (load_f32(prefix, (row, col)) + reduced).to(cutlass.BFloat16).to(Float32)
+            else:
+                p = reduced
+        else:
+            p = load_f32(prefix, (row, col))
+            if cutlass.const_expr(v.has_delta):
+                p = (p + load_f32(delta, (row, col))).to(cutlass.BFloat16).to(Float32)
+        if cutlass.const_expr(v.stores_prefix):
             store(new_prefix, (row, col), p)
         if cutlass.const_expr(v.write_idx >= 0):
             store(blocks, (row, v.write_idx, col), p)
 
         saved = [load_f32(blocks, (row, i, col)) for i in range(v.sources - 1)]
-        z = cluster_logits(saved + [p], gw, warp_buf, cluster_buf, rank, v.eps)
+        z = cluster_logits(saved + [p], gw, warp_buf, cluster_buf, cta, v.eps)
 
         if cutlass.const_expr(v.precomputed):
             m, s_saved = scal[row, 0], scal[row, 1]
@@ -162,10 +184,29 @@ class AttnResKernel:
 
         if cutlass.const_expr(v.out_norm):
             sq = cluster_sums([(mix * mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)],
-                              norm_warp, norm_cluster, CLUSTER, rank)
+                              norm_warp, norm_cluster, CLUSTER, cta)
             r = cute.math.rsqrt(sq[0] * (1.0 / HIDDEN) + v.out_eps)
             mix = mix * r * load_f32(out_norm_w, col)
         store(out, (row, col), mix)
+
+    @cute.jit
+    def ring_sum(self, table: cute.Tensor, rank, row, col):
+        """This thread's 8 columns of the rank-order fp32 sum of the TP mailbox slots, rounded
+        to bf16 (as fp32); the slots are re-armed once read."""
+        lay, v = self.v.ring, self.v
+        mine = address_of(table, rank)
+        within = Int64(row) * lay.row_bytes + Int64(col) * 16
+        slots = [mine + lay.slot(v.parity, q) + within for q in range(lay.tp)]
+        acc = words_to_f32(poll(slots[0], v.max_spins, mine + lay.status))
+        for q in cutlass.range_constexpr(1, lay.tp):
+            values = words_to_f32(poll(slots[q], v.max_spins, mine + lay.status))
+            acc = [a + b for a, b in zip(acc, values)]
+        for slot in slots:
+            store_words(slot, [Uint32(SENTINEL)] * 4)
+        frag = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
+        for i in cutlass.range_constexpr(VECTOR):
+            frag[i] = acc[i]
+        return frag.load().to(cutlass.BFloat16).to(Float32)
 
 
 class StatisticsKernel:
@@ -221,19 +262,35 @@ def statistics_kernel(num_blocks: int, eps: float) -> StatisticsKernel:
     return StatisticsKernel(num_blocks, eps)
 
 
+class Ring(NamedTuple):
+    """A Lamport mailbox as the AttnRes input: the all-reduce of the TP ranks' rows published
+    at `parity` is the delta (`has_delta`) or, starting a block, the new prefix itself."""
+
+    layout: MailboxLayout
+    parity: int
+    max_spins: int
+    has_delta: bool
+    table: Any  # uint32 [T, 2] peer table
+    rank: Any  # int32 [1]
+    after: Any  # an array the publishes produced: orders this kernel after them
+
+
 def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, delta, write_idx,
-             eps, out_eps, stats, into=None):
+             eps, out_eps, stats, ring: Ring | None = None, into=None):
     """The kernel behind `jax_kimik3.attn_res` (same arguments and results; inputs checked).
 
-    `into` = (out, new_prefix) buffers the kernel writes in place (the GPU tests pass
-    poisoned ones); without it XLA allocates them.
+    `ring` takes the delta from a Lamport mailbox instead of `delta`. `into` = (out,
+    new_prefix) buffers written in place (the GPU tests pass poisoned ones).
     """
-    variant = AttnResVariant(num_blocks, delta is not None, write_idx, out_norm_w is not None,
-                             stats is not None, float(eps), float(out_eps))
+    has_delta = delta is not None if ring is None else ring.has_delta
+    variant = AttnResVariant(num_blocks, has_delta, write_idx, out_norm_w is not None,
+                             stats is not None, float(eps), float(out_eps),
+                             *((None, 0, 0) if ring is None else ring[:3]))
     mixture, scal = (None, None) if stats is None else stats
     row = jax.ShapeDtypeStruct(prefix.shape, jnp.bfloat16)
-    outputs = [row] * (1 + variant.has_delta)
-    inputs = [prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w, out_norm_w]
+    outputs = [row] * (1 + variant.stores_prefix)
+    inputs = [prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w, out_norm_w,
+              *((None,) * 3 if ring is None else ring[4:])]
     aliases = {}
     if write_idx >= 0:  # the block write updates `blocks` in place
         aliases[2] = len(outputs)
@@ -245,7 +302,7 @@ def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, 
     results = cutlass_call(attn_res_kernel(variant), output_shape_dtype=tuple(outputs),
                            input_output_aliases=aliases)(*inputs)
     out = results[0]
-    new_prefix = results[1] if variant.has_delta else prefix
+    new_prefix = results[1] if variant.stores_prefix else prefix
     new_blocks = results[-1] if write_idx >= 0 else blocks
     return out, new_prefix, new_blocks
 

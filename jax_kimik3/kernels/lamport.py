@@ -197,20 +197,22 @@ def _token():
     return jax.ShapeDtypeStruct((1,), jnp.int32)
 
 
-def _publish(rows, table, rank, after, layout, parity, two_shot):
+def publish(rows, table, rank, *, layout, parity, two_shot=False, after=None):
+    """This rank's producer: its rows into the mailbox slots; returns its int32 [1] token.
+
+    `after`: an array XLA must finish first (the protocol needs the previous use of this
+    parity consumed before the publish; data flow usually implies it)."""
     return cutlass_call(_producer(layout, parity, two_shot), output_shape_dtype=_token())(
-        rows, table, rank, after)
+        rows, table, rank, rows if after is None else after)
 
 
 def all_reduce(rows, table, rank, *, layout, parity, two_shot=False, max_spins=MAX_SPINS,
                after=None):
-    """One rank's all-reduced rows [B, H] bf16 (inside shard_map: `rank` = its axis index [1]).
-
-    `after`: an array XLA must finish before this rank publishes (the protocol needs the
-    previous use of this parity consumed first; data flow usually implies it).
-    """
+    """One rank's all-reduced rows [B, H] bf16 (inside shard_map: `rank` = its axis index [1]);
+    `after` as in `publish`."""
     batch = rows.shape[0]
-    token = _publish(rows, table, rank, rows if after is None else after, layout, parity, two_shot)
+    token = publish(rows, table, rank, layout=layout, parity=parity, two_shot=two_shot,
+                    after=after)
     if two_shot:
         token = cutlass_call(_owner(layout, parity, batch, max_spins),
                              output_shape_dtype=_token())(table, rank, token)
@@ -228,8 +230,8 @@ def all_reduce_virtual(partials, table, *, layout, parity, two_shot=False, max_s
     tp, batch = partials.shape[0], partials.shape[1]
     after = partials if after is None else after
     ranks = [jnp.full((1,), r, jnp.int32) for r in range(tp)]
-    tokens = jnp.concatenate([_publish(partials[r], table, ranks[r], after, layout, parity,
-                                       two_shot) for r in range(tp)])
+    tokens = jnp.concatenate([publish(partials[r], table, ranks[r], layout=layout, parity=parity,
+                                      two_shot=two_shot, after=after) for r in range(tp)])
     if two_shot:
         tokens = jnp.concatenate([
             cutlass_call(_owner(layout, parity, batch, max_spins), output_shape_dtype=_token())(
