@@ -28,16 +28,14 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
                                      out_eps=out_eps, stats=None, ring=ring)
 
 
-def oproj_attn_res_virtual(xs, ws, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table,
-                           layout, parity, num_blocks, has_delta, eps, out_eps,
-                           max_spins=lamport.MAX_SPINS):
-    """Every rank on one GPU: xs [T, B, K_local], ws [T, H, K_local]; every publish, then
-    every rank's consumer. Returns each rank's (out, new_prefix) stacked: [T, B, H] each."""
-    tp = xs.shape[0]
+def tail_virtual(partials, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, layout,
+                 parity, num_blocks, has_delta, eps, out_eps, max_spins=lamport.MAX_SPINS):
+    """Every rank on one GPU, from the ranks' o_proj rows partials [T, B, H]: every publish,
+    then every rank's AttnRes consumer. Returns each rank's (out, new_prefix): [T, B, H] each."""
+    tp = partials.shape[0]
     ranks = [jnp.full((1,), r, jnp.int32) for r in range(tp)]
-    tokens = jnp.concatenate([
-        lamport.publish(reference.oproj_partial(xs[r], ws[r]), table, ranks[r], layout=layout,
-                        parity=parity) for r in range(tp)])
+    tokens = jnp.concatenate([lamport.publish(partials[r], table, ranks[r], layout=layout,
+                                              parity=parity) for r in range(tp)])
     results = [attn_res_kernels.attn_res(
         prefix, blocks, res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks, delta=None,
         write_idx=-1, eps=eps, out_eps=out_eps, stats=None,
