@@ -4,7 +4,9 @@ Each layer runs the pre-attention AttnRes (with its block write), a stand-in for
 (a fixed random projection H -> 12288, split over the TP ranks like attention heads), the
 post-attention tail `oproj_attn_res` (o_proj + all-reduce + AttnRes), and a stand-in for the
 MLP (a fixed random projection H -> H) whose output is the next layer's delta; the final
-AttnRes closes the step. Weights are random. On CPU the mesh is made of host devices.
+AttnRes closes the step. Weights are random. On CPU the mesh is made of host devices and the
+step runs the reference; on GPUs it runs the kernels, the all-reduce through peer mailboxes
+(parity alternating by layer), and `--check` compares its output with the reference step.
 
     python examples/decode_loop.py --layers 4 --batch 8 --steps 5
 """
@@ -23,6 +25,10 @@ def parse_args(argv=None):
     parser.add_argument("--tp", type=int, default=None, help="TP ranks (default: all devices)")
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=("auto", "kernel", "reference"), default="auto",
+                        help="auto: kernels on a GPU, the reference elsewhere")
+    parser.add_argument("--check", action="store_true",
+                        help="also run the reference step and compare (kernel runs)")
     return parser.parse_args(argv)
 
 
@@ -79,7 +85,7 @@ def param_specs(params):
     return jax.tree.map(lambda a: P(None, "tp") if a.shape == (H, K) else P(), params)
 
 
-def decode_step(params, embedding, blocks, *, num_layers):
+def decode_step(params, embedding, blocks, *, num_layers, backend, mailbox):
     """One decode step through `num_layers` layers and the final AttnRes (inside shard_map)."""
     prefix, delta = embedding, None
     for i in range(num_layers):
@@ -87,16 +93,24 @@ def decode_step(params, embedding, blocks, *, num_layers):
         pre, post = plan.pre_attention, plan.post_attention
         hidden, prefix, blocks = k3.attn_res(
             prefix, blocks, *(layer["pre"][n] for n in NORMS), num_blocks=pre.num_blocks,
-            delta=delta, write_idx=pre.write_idx)
+            delta=delta, write_idx=pre.write_idx, backend=backend)
         x = jnp.dot(hidden, params["attention"]).astype(jnp.bfloat16)  # this rank's heads
         hidden, prefix, blocks = k3.oproj_attn_res(
             x, layer["o_proj"], prefix, blocks, *(layer["post"][n] for n in NORMS),
-            axis_name="tp", num_blocks=post.num_blocks, has_delta=post.has_delta)
+            axis_name="tp", num_blocks=post.num_blocks, has_delta=post.has_delta,
+            mailbox=mailbox, parity=plan.parity, backend=backend)
         delta = jnp.dot(hidden, params["mlp"]).astype(jnp.bfloat16)
     final = CFG.final(num_layers)
     out, _, _ = k3.attn_res(prefix, blocks, *(params["final"][n] for n in NORMS),
-                            num_blocks=final.num_blocks, delta=delta)
+                            num_blocks=final.num_blocks, delta=delta, backend=backend)
     return out, blocks
+
+
+def make_step(mesh, params, num_layers, backend, mailbox):
+    return jax.jit(jax.shard_map(
+        lambda p, e, b: decode_step(p, e, b, num_layers=num_layers, backend=backend,
+                                    mailbox=mailbox),
+        mesh=mesh, in_specs=(param_specs(params), P(), P()), out_specs=(P(), P())))
 
 
 def main(args=ARGS):
@@ -112,9 +126,12 @@ def main(args=ARGS):
     embeddings = (0.05 * rows).astype(jnp.bfloat16)  # one fresh token row set per step
     blocks = jnp.zeros((args.batch, NB, H), jnp.bfloat16)
 
-    step = jax.jit(jax.shard_map(
-        lambda p, e, b: decode_step(p, e, b, num_layers=args.layers), mesh=mesh,
-        in_specs=(param_specs(params), P(), P()), out_specs=(P(), P())))
+    on_gpu = jax.devices()[0].platform == "gpu"
+    kernels = args.backend == "kernel" or (args.backend == "auto" and on_gpu)
+    if kernels and not on_gpu:
+        raise ValueError("--backend=kernel needs GPUs (the mailbox lives in GPU memory)")
+    mailbox = k3.Mailbox.for_devices(mesh.devices.flat) if kernels else None
+    step = make_step(mesh, params, args.layers, args.backend, mailbox)
     out, _ = step(params, embeddings[0], blocks)  # compile and warm up
     out.block_until_ready()
     times, checksum = [], 0.0
@@ -124,10 +141,26 @@ def main(args=ARGS):
         out.block_until_ready()
         times.append(time.perf_counter() - start)
         checksum += float(jnp.sum(out.astype(jnp.float32)))
-    platform = jax.devices()[0].platform
-    print(f"decode step: {args.layers} layers, batch {args.batch}, TP {tp} on {platform}: "
-          f"median {1e3 * np.median(times):.2f} ms over {args.steps} steps")
+    path = "kernels" if kernels else "reference"
+    print(f"decode step: {args.layers} layers, batch {args.batch}, TP {tp} on "
+          f"{jax.devices()[0].platform} ({path}): median {1e3 * np.median(times):.2f} ms over "
+          f"{args.steps} steps")
     print(f"checksum {checksum:.6e}")
+    if mailbox is not None:
+        mailbox.check()
+        if args.check:
+            want, _ = make_step(mesh, params, args.layers, "reference", None)(
+                params, embeddings[args.steps], blocks)
+            got, want = (np.asarray(a, np.float32) for a in (out, want))
+            # Kernels and reference sum in other orders, so an AttnRes output element may land
+            # one bf16 ulp (2**-8 relative) apart; each layer can add that much again.
+            bound = (args.layers + 1) * 2.0**-8
+            rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            print(f"check against the reference step: relative L2 difference {rel:.2e} "
+                  f"(bound {bound:.2e})")
+            if not rel < bound:
+                raise SystemExit(f"kernel step differs from the reference: {rel:.2e} >= {bound:.2e}")
+        mailbox.close()
 
 
 if __name__ == "__main__":

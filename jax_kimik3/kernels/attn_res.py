@@ -3,12 +3,12 @@
 A row's H = 7168 columns are split over a cluster of CLUSTER = 7 CTAs of 128 threads, each
 thread owning one 8-wide bf16 vector. Per row:
 1. the prefix update p = bf16(prefix + delta), stored to new_prefix (and to the block slot
-   `write_idx` when the layer writes a block);
+   `write_idx` when the layer writes a block). With a Lamport ring the delta (or, when a block
+   starts, p itself) is the all-reduce of the TP ranks' o_proj rows: each thread polls its
+   8 columns in every rank's mailbox slot, sums them in rank order, rounds to bf16 and
+   re-arms the slots (kernels/lamport.py has the protocol);
 2. per source (the K saved blocks, then p) the partial Σv² and Σv·g·w of each thread, summed
    over the cluster through distributed shared memory (`primitives.cluster_sums`);
-   With a Lamport ring the delta (or, starting a block, p itself) is the all-reduce of the
-   TP ranks' o_proj rows: the thread polls its 8 columns in each rank's mailbox slot, sums
-   them in rank order, rounds to bf16 and re-arms the slots (see kernels/lamport.py);
 3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
    with precomputed statistics only p is reduced, and mix = (c·acc + w_p·p) / (c·s + w_p);
 4. the output RMSNorm: Σmix² over the cluster, then out = bf16(mix · rsqrt(Σmix²/H + eps) · g_out),
