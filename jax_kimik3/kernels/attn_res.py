@@ -29,14 +29,14 @@ import cutlass.cute as cute
 import cutlass.memory
 import jax
 import jax.numpy as jnp
-from cutlass import Float32, Int64, Uint32
+from cutlass import Float32, Int64
 from cutlass.jax import cutlass_call
 
 from jax_kimik3 import reference
 from jax_kimik3.config import KIMI_K3
-from jax_kimik3.kernels.primitives import (VECTOR, WARP, address_of, cluster_sums, load_f32, poll,
-                                           store, store_words, vectors, words_to_f32)
-from jax_kimik3.mailbox import SENTINEL, MailboxLayout
+from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, address_of, cluster_sums,
+                                           load_f32, poll_sum, rearm, store, vectors)
+from jax_kimik3.mailbox import MailboxLayout
 
 HIDDEN = KIMI_K3.hidden_size
 CLUSTER = 7
@@ -195,14 +195,10 @@ class AttnResKernel:
         to bf16 (as fp32); the slots are re-armed once read."""
         lay, v = self.v.ring, self.v
         mine = address_of(table, rank)
-        within = Int64(row) * lay.row_bytes + Int64(col) * 16
+        within = Int64(row) * lay.row_bytes + Int64(col) * VECTOR_BYTES
         slots = [mine + lay.slot(v.parity, q) + within for q in range(lay.tp)]
-        acc = words_to_f32(poll(slots[0], v.max_spins, mine + lay.status))
-        for q in cutlass.range_constexpr(1, lay.tp):
-            values = words_to_f32(poll(slots[q], v.max_spins, mine + lay.status))
-            acc = [a + b for a, b in zip(acc, values)]
-        for slot in slots:
-            store_words(slot, [Uint32(SENTINEL)] * 4)
+        acc = poll_sum(slots, v.max_spins, mine + lay.status)
+        rearm(slots)
         frag = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
         for i in cutlass.range_constexpr(VECTOR):
             frag[i] = acc[i]

@@ -38,12 +38,12 @@ import jax.numpy as jnp
 from cutlass import Int32, Int64, Uint32
 from cutlass.jax import cutlass_call
 
-from jax_kimik3.kernels.primitives import (address_of, f32_to_words, load_words, poll, store_words,
-                                           without_negative_zero, words_to_f32)
+from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, address_of, f32_to_words,
+                                           load_words, poll, poll_sum, rearm, store_words,
+                                           without_negative_zero)
 from jax_kimik3.mailbox import SENTINEL, MailboxLayout
 
 THREADS = 128
-VECTOR_BYTES = 16  # 8 bf16, four 32-bit words
 MAX_SPINS = 1 << 22  # polls of one word before a consumer gives up (seconds, not forever)
 
 
@@ -70,7 +70,7 @@ class Producer:
     def __call__(self, stream, rows: cute.Tensor, table: cute.Tensor, rank: cute.Tensor,
                  after: cute.Tensor, token: cute.Tensor):
         batch = cute.size(rows, mode=[0])
-        nvec = self.layout.hidden // 8
+        nvec = self.layout.hidden // VECTOR
         self.kernel(rows, table, rank, token, batch).launch(
             grid=_grid(batch, nvec), block=[THREADS, 1, 1], stream=stream)
 
@@ -78,22 +78,24 @@ class Producer:
     def kernel(self, rows: cute.Tensor, table: cute.Tensor, rank_t: cute.Tensor,
                token: cute.Tensor, batch: Int32):
         lay = self.layout
-        nvec = lay.hidden // 8
-        item, row, vec = _item(nvec)
+        item, row, vec = _item(lay.hidden // VECTOR)
         if row < batch:
             rank = rank_t[0]
-            source = Int64(rows.iterator.toint()) + Int64(row) * lay.row_bytes + Int64(vec) * 16
+            source = (Int64(rows.iterator.toint()) + Int64(row) * lay.row_bytes
+                      + Int64(vec) * VECTOR_BYTES)
             words = without_negative_zero(load_words(source))
-            if cutlass.const_expr(not self.two_shot):
-                offset = (Int64(lay.slot(self.parity, 0)) + Int64(rank) * (lay.capacity * lay.row_bytes)
-                          + Int64(row) * lay.row_bytes + Int64(vec) * 16)
+            if cutlass.const_expr(not self.two_shot):  # slot `rank` of every rank
+                offset = (Int64(lay.slot(self.parity, 0))
+                          + Int64(rank) * (lay.capacity * lay.row_bytes)
+                          + Int64(row) * lay.row_bytes + Int64(vec) * VECTOR_BYTES)
                 for q in cutlass.range_constexpr(lay.tp):
                     store_words(address_of(table, q) + offset, words)
-            else:
-                chunk_vecs = lay.chunk // 8
+            else:  # slot `rank` of the owner of this vector's chunk
+                chunk_vecs, chunk_bytes = lay.chunk // VECTOR, lay.chunk * 2
                 owner = vec // chunk_vecs
-                offset = (Int64(lay.receive(self.parity, 0)) + Int64(rank) * (lay.capacity * lay.chunk * 2)
-                          + Int64(row) * (lay.chunk * 2) + Int64(vec - owner * chunk_vecs) * 16)
+                offset = (Int64(lay.receive(self.parity, 0))
+                          + Int64(rank) * (lay.capacity * chunk_bytes) + Int64(row) * chunk_bytes
+                          + Int64(vec - owner * chunk_vecs) * VECTOR_BYTES)
                 store_words(address_of(table, owner) + offset, words)
         if item == 0:
             token[0] = Int32(1)
@@ -109,32 +111,26 @@ class Owner:
     def __call__(self, stream, table: cute.Tensor, rank: cute.Tensor, deps: cute.Tensor,
                  token: cute.Tensor):
         self.kernel(table, rank, token).launch(
-            grid=_grid(self.batch, self.layout.chunk // 8), block=[THREADS, 1, 1], stream=stream)
+            grid=_grid(self.batch, self.layout.chunk // VECTOR), block=[THREADS, 1, 1],
+            stream=stream)
 
     @cute.kernel
     def kernel(self, table: cute.Tensor, rank_t: cute.Tensor, token: cute.Tensor):
         lay = self.layout
-        chunk_vecs, chunk_bytes = lay.chunk // 8, lay.chunk * 2
+        chunk_vecs, chunk_bytes = lay.chunk // VECTOR, lay.chunk * 2
         item, row, vec = _item(chunk_vecs)
         if row < self.batch:
             rank = rank_t[0]
             mine = address_of(table, rank)
-            status = mine + lay.status
-            acc = [cutlass.Float32(0.0)] * 8
-            for q in cutlass.range_constexpr(lay.tp):  # rank order: identical sums everywhere
-                slot = mine + (lay.receive(self.parity, q, 0) + Int64(row) * chunk_bytes
-                               + Int64(vec) * 16)
-                values = words_to_f32(poll(slot, self.max_spins, status))
-                acc = [a + v for a, v in zip(acc, values)]
-            words = without_negative_zero(f32_to_words(acc))
+            within = Int64(row) * chunk_bytes + Int64(vec) * VECTOR_BYTES
+            slots = [mine + lay.receive(self.parity, q) + within for q in range(lay.tp)]
+            words = without_negative_zero(f32_to_words(
+                poll_sum(slots, self.max_spins, mine + lay.status)))
             target = (Int64(lay.gather(self.parity, 0)) + Int64(row) * lay.row_bytes
-                      + (Int64(rank) * chunk_vecs + Int64(vec)) * 16)
+                      + (Int64(rank) * chunk_vecs + Int64(vec)) * VECTOR_BYTES)
             for q in cutlass.range_constexpr(lay.tp):
                 store_words(address_of(table, q) + target, words)
-            for q in cutlass.range_constexpr(lay.tp):
-                slot = mine + (lay.receive(self.parity, q, 0) + Int64(row) * chunk_bytes
-                               + Int64(vec) * 16)
-                store_words(slot, [Uint32(SENTINEL)] * 4)
+            rearm(slots)
         if item == 0:
             token[0] = Int32(1)
 
@@ -151,31 +147,24 @@ class Consumer:
                  out: cute.Tensor):
         batch = cute.size(out, mode=[0])
         self.kernel(table, rank, out, batch).launch(
-            grid=_grid(batch, self.layout.hidden // 8), block=[THREADS, 1, 1], stream=stream)
+            grid=_grid(batch, self.layout.hidden // VECTOR), block=[THREADS, 1, 1],
+            stream=stream)
 
     @cute.kernel
     def kernel(self, table: cute.Tensor, rank_t: cute.Tensor, out: cute.Tensor, batch: Int32):
         lay = self.layout
-        item, row, vec = _item(lay.hidden // 8)
+        item, row, vec = _item(lay.hidden // VECTOR)
         if row < batch:
             mine = address_of(table, rank_t[0])
-            status = mine + lay.status
-            within = Int64(row) * lay.row_bytes + Int64(vec) * 16
-            if cutlass.const_expr(self.two_shot):
+            within = Int64(row) * lay.row_bytes + Int64(vec) * VECTOR_BYTES
+            if cutlass.const_expr(self.two_shot):  # the owners' reduced chunks: a copy
                 slots = [mine + lay.gather(self.parity, 0) + within]
+                words = poll(slots[0], self.max_spins, mine + lay.status)
             else:
-                slots = [mine + lay.slot(self.parity, q, 0) + within
-                         for q in range(lay.tp)]
-            words = poll(slots[0], self.max_spins, status)
-            if cutlass.const_expr(len(slots) > 1):
-                acc = words_to_f32(words)
-                for q in cutlass.range_constexpr(1, len(slots)):  # rank order
-                    values = words_to_f32(poll(slots[q], self.max_spins, status))
-                    acc = [a + v for a, v in zip(acc, values)]
-                words = f32_to_words(acc)
+                slots = [mine + lay.slot(self.parity, q) + within for q in range(lay.tp)]
+                words = f32_to_words(poll_sum(slots, self.max_spins, mine + lay.status))
             store_words(Int64(out.iterator.toint()) + within, words)
-            for slot in slots:
-                store_words(slot, [Uint32(SENTINEL)] * 4)
+            rearm(slots)
 
 
 @functools.cache
@@ -258,7 +247,8 @@ class ArmedCheck:
     def kernel(self, table: cute.Tensor, count: cute.Tensor):
         item, rank, vec = _item(self.layout.armed_bytes // VECTOR_BYTES)
         if rank < self.layout.tp:
-            words = load_words(address_of(table, rank) + Int64(vec) * VECTOR_BYTES, volatile=True)
+            words = load_words(address_of(table, rank) + Int64(vec) * VECTOR_BYTES,
+                               volatile=True)
             unarmed = Int32(0)
             for w in words:
                 unarmed = unarmed + Int32(w != Uint32(SENTINEL))

@@ -11,7 +11,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from jax_kimik3.mailbox import SENTINEL
 
 NEG_ZERO_BF16 = 0x8000
-VECTOR = 8  # bf16 elements per thread access: 16 bytes
+VECTOR = 8  # bf16 elements per thread access ...
+VECTOR_BYTES = 2 * VECTOR  # ... 16 bytes, four 32-bit words
 WARP = 32
 
 
@@ -196,3 +197,21 @@ def poll(address: Int64, max_spins: cutlass.Constexpr, status: Int64):
     if spins >= max_spins:
         store_word(status, Uint32(1))
     return [w0, w1, w2, w3]
+
+
+@cute.jit
+def poll_sum(slots: list, max_spins: cutlass.Constexpr, status: Int64):
+    """Eight fp32: the bf16 rows at the `slots` addresses summed in list (rank) order, each
+    polled until it has landed (`poll`), so every reader of the same slots gets the same bits."""
+    acc = words_to_f32(poll(slots[0], max_spins, status))
+    for slot in slots[1:]:
+        values = words_to_f32(poll(slot, max_spins, status))
+        acc = [a + v for a, v in zip(acc, values)]
+    return acc
+
+
+@cute.jit
+def rearm(slots: list):
+    """Write SENTINEL over the 16 bytes at each of the `slots` addresses."""
+    for slot in slots:
+        store_words(slot, [Uint32(SENTINEL)] * 4)
