@@ -88,7 +88,8 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
         return oproj.oproj_attn_res(
             x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
             table=jnp.asarray(mailbox.peer_table), rank=rank, layout=mailbox.layout,
-            parity=parity, num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps)
+            parity=parity, num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
+            multicast=mailbox.multicast)
     return reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                                     axis_name=axis_name, num_blocks=num_blocks,
                                     has_delta=has_delta, eps=eps, out_eps=out_eps)
@@ -124,7 +125,7 @@ def all_reduce(rows, mailbox, *, axis_name, parity, two_shot=False, max_spins=No
     check.done()
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
     return lamport.all_reduce(rows, jnp.asarray(mailbox.peer_table), rank, layout=mailbox.layout,
-                              parity=parity, two_shot=two_shot,
+                              parity=parity, two_shot=two_shot, multicast=mailbox.multicast,
                               max_spins=max_spins or lamport.MAX_SPINS)
 
 

@@ -14,12 +14,16 @@ A rank's buffer, bf16 unless said, at these byte offsets (T = TP, C = capacity r
 
 rounded up to the allocation granularity. Every bf16 region is armed with the 32-bit word
 0x80000000 (SENTINEL); status starts at 0. Kernels find the buffers through the peer table:
-uint32 [T, 2] = (low, high) words of each rank's address, an ordinary int32-free JAX input
-(no x64 needed). "Virtual TP" puts all T buffers on one device, so one GPU runs the protocol.
+uint32 [T + 1, 2] = (low, high) words of each rank's address, then of the multicast address
+(0 without one): an ordinary JAX input, no x64 needed. "Virtual TP" puts all T buffers on one
+device, so one GPU runs the protocol.
 
-Multicast (NVLink SHARP) mailboxes are not implemented; asking for one is refused outright
-where the environment disables multicast (NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1), which it does on the shared test machines.
+`multicast=True` also binds the T buffers to one NVLink multicast object (cuMulticastCreate)
+mapped at one more address: a `multimem.st` there lands in every rank's buffer, so a producer
+publishes once instead of T times. It is refused outright where the environment disables
+multicast (NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1, TORCH_SYMM_MEM_DISABLE_MULTICAST=1), as
+on the shared test machines, where creating a multicast object can take GPUs out of service;
+it has therefore never run here.
 """
 
 from __future__ import annotations
@@ -107,9 +111,11 @@ def refuse_multicast(environ=os.environ):
                 f"multicast mailbox refused: {name}={off} disables NVLink multicast here")
 
 
-def peer_table(addresses) -> np.ndarray:
-    """uint32 [T, 2]: each rank buffer's address as (low, high) 32-bit words."""
-    return np.asarray(addresses, np.uint64).view(np.uint32).reshape(len(addresses), 2)
+def peer_table(addresses, multicast=0) -> np.ndarray:
+    """uint32 [T + 1, 2]: each rank buffer's address, then the multicast address (0: none),
+    as (low, high) 32-bit words."""
+    words = np.asarray([*addresses, multicast], np.uint64).view(np.uint32)
+    return words.reshape(len(addresses) + 1, 2)
 
 
 def _check(result):
@@ -127,27 +133,34 @@ class Mailbox:
     """
 
     def __init__(self, ordinals, layout: MailboxLayout, *, multicast=False):
+        ordinals = tuple(ordinals)
         if multicast:
             refuse_multicast()
-            raise NotImplementedError("multicast mailboxes are not implemented; use peer stores")
+            if len(set(ordinals)) != len(ordinals):
+                raise ValueError(f"multicast needs one device per rank; got ordinals={ordinals}")
         from cuda.bindings import driver as cu
 
-        self._cu, self.layout, self.ordinals = cu, layout, tuple(ordinals)
+        self._cu, self.layout, self.ordinals, self.multicast = cu, layout, ordinals, multicast
         _check(cu.cuInit(0))
         self._contexts = {o: _check(cu.cuDevicePrimaryCtxRetain(_check(cu.cuDeviceGet(o))))
                           for o in set(self.ordinals)}
         self._buffers = []  # (address, size, handle)
+        self._multicast = []  # (address, size, handle, ordinals) of the bound multicast object
         try:
             for ordinal in self.ordinals:
                 self._buffers.append(self._allocate(ordinal))
             self.addresses = tuple(b[0] for b in self._buffers)
-            self.peer_table = peer_table(self.addresses)
+            if multicast:
+                self._multicast.append(self._bind_multicast())
+            self.peer_table = peer_table(self.addresses,
+                                         self._multicast[0][0] if multicast else 0)
             self.arm()
         except BaseException:
             self.close()
             raise
-        # Frees the buffers when the mailbox is collected or, at the latest, at interpreter exit.
-        self._finalizer = weakref.finalize(self, Mailbox._free, cu, self._buffers)
+        # Frees the memory when the mailbox is collected or, at the latest, at interpreter exit.
+        self._finalizer = weakref.finalize(self, Mailbox._free, cu, self._buffers,
+                                           self._multicast)
 
     @classmethod
     def for_devices(cls, devices, **kwargs):
@@ -164,6 +177,46 @@ class Mailbox:
     def tp(self) -> int:
         return self.layout.tp
 
+    def _access(self):
+        """Read-write access descriptors for every device of the mesh."""
+        cu, access = self._cu, []
+        for peer in sorted(set(self.ordinals)):
+            desc = cu.CUmemAccessDesc()
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = peer
+            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            access.append(desc)
+        return access
+
+    def _map(self, handle, size):
+        """Reserve a virtual range, map `handle` there, open it to every device; its address."""
+        cu = self._cu
+        address = _check(cu.cuMemAddressReserve(size, 0, 0, 0))
+        _check(cu.cuMemMap(address, size, 0, handle, 0))
+        access = self._access()
+        _check(cu.cuMemSetAccess(address, size, access, len(access)))
+        return int(address)
+
+    def _multicast_prop(self, size):
+        cu = self._cu
+        prop = cu.CUmulticastObjectProp()
+        prop.numDevices = len(self.ordinals)
+        prop.size = size
+        prop.handleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        return prop
+
+    def _bind_multicast(self):
+        """One multicast object over every rank's buffer, mapped at its own address."""
+        cu = self._cu
+        size = self._buffers[0][1]
+        handle = _check(cu.cuMulticastCreate(self._multicast_prop(size)))
+        for ordinal in self.ordinals:
+            _check(cu.cuMulticastAddDevice(handle, _check(cu.cuDeviceGet(ordinal))))
+        for (_, _, memory), ordinal in zip(self._buffers, self.ordinals):
+            _check(cu.cuCtxSetCurrent(self._contexts[ordinal]))
+            _check(cu.cuMulticastBindMem(handle, 0, memory, 0, size, 0))
+        return self._map(handle, size), size, handle, self.ordinals
+
     def _allocate(self, ordinal):
         cu = self._cu
         prop = cu.CUmemAllocationProp()
@@ -172,19 +225,13 @@ class Mailbox:
         prop.location.id = ordinal
         granularity = _check(cu.cuMemGetAllocationGranularity(
             prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        if self.multicast:  # buffers bound to a multicast object: its granularity too
+            granularity = max(int(granularity), int(_check(cu.cuMulticastGetGranularity(
+                self._multicast_prop(self.layout.nbytes),
+                cu.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM))))
         size = _align(self.layout.nbytes, int(granularity))
         handle = _check(cu.cuMemCreate(size, prop, 0))
-        address = _check(cu.cuMemAddressReserve(size, 0, 0, 0))
-        _check(cu.cuMemMap(address, size, 0, handle, 0))
-        access = []
-        for peer in sorted(set(self.ordinals)):  # every device of the mesh reads and writes it
-            desc = cu.CUmemAccessDesc()
-            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            desc.location.id = peer
-            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            access.append(desc)
-        _check(cu.cuMemSetAccess(address, size, access, len(access)))
-        return int(address), size, handle
+        return self._map(handle, size), size, handle
 
     def _synchronize(self):
         for ordinal, ctx in self._contexts.items():
@@ -218,7 +265,14 @@ class Mailbox:
             raise TimeoutError(f"mailbox consumers of ranks {ranks} timed out waiting for a peer")
 
     @staticmethod
-    def _free(cu, buffers):
+    def _free(cu, buffers, multicast):
+        for address, size, handle, ordinals in multicast:
+            cu.cuMemUnmap(address, size)
+            cu.cuMemAddressFree(address, size)
+            for ordinal in ordinals:
+                cu.cuMulticastUnbind(handle, cu.cuDeviceGet(ordinal)[1], 0, size)
+            cu.cuMemRelease(handle)
+        multicast.clear()
         for address, size, handle in buffers:
             cu.cuMemUnmap(address, size)
             cu.cuMemAddressFree(address, size)
@@ -229,7 +283,7 @@ class Mailbox:
         """Free every buffer, once the GPU has finished with them; closing twice is harmless."""
         if self._buffers:
             self._synchronize()
-        Mailbox._free(self._cu, self._buffers)
+        Mailbox._free(self._cu, self._buffers, self._multicast)
         for ordinal in self._contexts:
             self._cu.cuDevicePrimaryCtxRelease(self._cu.cuDeviceGet(ordinal)[1])
         self._contexts = {}

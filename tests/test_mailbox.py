@@ -2,7 +2,10 @@
 
 import dataclasses
 import functools
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -52,9 +55,10 @@ def test_parity_alternates_by_layer():
 
 def test_peer_table_words():
     addresses = [0x7F12_3456_7800, 0x1_0000_0000, 0xFFFF_FFFF]
-    table = peer_table(addresses)
-    assert table.dtype == np.uint32 and table.shape == (3, 2)
-    assert [int(lo) | int(hi) << 32 for lo, hi in table] == addresses
+    table = peer_table(addresses, multicast=0x7F00_0020_0000)
+    assert table.dtype == np.uint32 and table.shape == (4, 2)
+    assert [int(lo) | int(hi) << 32 for lo, hi in table] == addresses + [0x7F00_0020_0000]
+    assert peer_table(addresses)[3].tolist() == [0, 0]  # no multicast object
 
 
 @pytest.mark.parametrize("name", sorted(MULTICAST_OFF))
@@ -78,6 +82,7 @@ class FakeMailbox:
     """Layout and peer table without GPU memory: enough to trace and lower."""
 
     layout: MailboxLayout
+    multicast: bool = False
 
     @property
     def tp(self):
@@ -161,3 +166,27 @@ def test_oproj_attn_res_kernel_backend_needs_a_mailbox():
     s = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match=r"backend='kernel' needs mailbox="):
         _lower(f, s((4, 64)), s((H, 64)), s((4, H)), s((4, 8, H)), s((H,)), s((H,)), s((H,)))
+
+
+@pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
+def test_multicast_publish_compiles_to_multimem(tmp_path, two_shot):
+    """The multicast variant (never run here) publishes with one multimem.st per vector."""
+    script = f"""
+import functools, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import jax_kimik3 as k3
+from tests.test_mailbox import FakeMailbox
+from jax_kimik3.mailbox import MailboxLayout
+box = FakeMailbox(MailboxLayout(4), multicast=True)
+mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+f = jax.shard_map(functools.partial(k3.all_reduce, mailbox=box, axis_name="tp", parity=0,
+                                    two_shot={two_shot}), mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+jax.jit(f).trace(jax.ShapeDtypeStruct((32, 7168), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+"""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300,
+                   cwd=os.path.dirname(os.path.dirname(__file__)))
+    ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert "multimem.st.relaxed.sys.global.v4.f32" in ptx

@@ -2,14 +2,15 @@
 
 Rank r of T, rows [B, H] bf16, at the layer's parity (`jax_kimik3.mailbox` has the layout):
 One-shot
-1. producer: r's rows, each bf16 -0 rewritten to +0, go to slot r of every rank's mailbox;
+1. producer: r's rows, each bf16 -0 rewritten to +0, go to slot r of every rank's mailbox
+   (with a multicast mailbox: one multimem store that lands in all of them);
 2. consumer: r polls its T slots (volatile loads, raw-bit compares with SENTINEL) until every
    word has landed, sums the slots in rank order in fp32 (so every rank gets bitwise-identical
    rows), rounds to bf16 and re-arms the slots.
 Two-shot (each GPU receives ~2·B·H·2 bytes instead of T·B·H·2)
 1. producer: column chunk c (H/T columns) of r's rows goes to slot r of owner c's receive region;
 2. owner: r polls its T receive slots, sums them in rank order, rounds, and writes its reduced
-   chunk into every rank's gather region; then re-arms its receive slots;
+   chunk into every rank's gather region (multicast: once); then re-arms its receive slots;
 3. consumer: r polls its gather region (one slot per chunk owner's columns), copies, re-arms.
 
 Why two parities suffice: layer i uses parity i % 2. Rank r re-arms layer L's slots (its
@@ -39,8 +40,8 @@ from cutlass import Int32, Int64, Uint32
 from cutlass.jax import cutlass_call
 
 from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, address_of, f32_to_words,
-                                           load_words, poll, poll_sum, rearm, store_words,
-                                           without_negative_zero)
+                                           load_words, multicast_words, poll, poll_sum, rearm,
+                                           store_words, without_negative_zero)
 from jax_kimik3.mailbox import SENTINEL, MailboxLayout
 
 THREADS = 128
@@ -63,8 +64,9 @@ def _grid(batch, nvec):
 class Producer:
     """Publishes one rank's rows into the mailboxes (one-shot: every rank; two-shot: owners)."""
 
-    def __init__(self, layout: MailboxLayout, parity: int, two_shot: bool):
-        self.layout, self.parity, self.two_shot = layout, parity, two_shot
+    def __init__(self, layout: MailboxLayout, parity: int, two_shot: bool, multicast: bool):
+        self.layout, self.parity, self.two_shot, self.multicast = (
+            layout, parity, two_shot, multicast)
 
     @cute.jit
     def __call__(self, stream, rows: cute.Tensor, table: cute.Tensor, rank: cute.Tensor,
@@ -88,8 +90,11 @@ class Producer:
                 offset = (Int64(lay.slot(self.parity, 0))
                           + Int64(rank) * (lay.capacity * lay.row_bytes)
                           + Int64(row) * lay.row_bytes + Int64(vec) * VECTOR_BYTES)
-                for q in cutlass.range_constexpr(lay.tp):
-                    store_words(address_of(table, q) + offset, words)
+                if cutlass.const_expr(self.multicast):
+                    multicast_words(address_of(table, lay.tp) + offset, words)
+                else:
+                    for q in cutlass.range_constexpr(lay.tp):
+                        store_words(address_of(table, q) + offset, words)
             else:  # slot `rank` of the owner of this vector's chunk
                 chunk_vecs, chunk_bytes = lay.chunk // VECTOR, lay.chunk * 2
                 owner = vec // chunk_vecs
@@ -104,8 +109,10 @@ class Producer:
 class Owner:
     """Two-shot middle step: sum this rank's receive slots, send the chunk to every gather."""
 
-    def __init__(self, layout: MailboxLayout, parity: int, batch: int, max_spins: int):
-        self.layout, self.parity, self.batch, self.max_spins = layout, parity, batch, max_spins
+    def __init__(self, layout: MailboxLayout, parity: int, batch: int, max_spins: int,
+                 multicast: bool):
+        self.layout, self.parity, self.batch, self.max_spins, self.multicast = (
+            layout, parity, batch, max_spins, multicast)
 
     @cute.jit
     def __call__(self, stream, table: cute.Tensor, rank: cute.Tensor, deps: cute.Tensor,
@@ -128,8 +135,11 @@ class Owner:
                 poll_sum(slots, self.max_spins, mine + lay.status)))
             target = (Int64(lay.gather(self.parity, 0)) + Int64(row) * lay.row_bytes
                       + (Int64(rank) * chunk_vecs + Int64(vec)) * VECTOR_BYTES)
-            for q in cutlass.range_constexpr(lay.tp):
-                store_words(address_of(table, q) + target, words)
+            if cutlass.const_expr(self.multicast):
+                multicast_words(address_of(table, lay.tp) + target, words)
+            else:
+                for q in cutlass.range_constexpr(lay.tp):
+                    store_words(address_of(table, q) + target, words)
             rearm(slots)
         if item == 0:
             token[0] = Int32(1)
@@ -168,13 +178,13 @@ class Consumer:
 
 
 @functools.cache
-def _producer(layout, parity, two_shot):
-    return Producer(layout, parity, two_shot)
+def _producer(layout, parity, two_shot, multicast):
+    return Producer(layout, parity, two_shot, multicast)
 
 
 @functools.cache
-def _owner(layout, parity, batch, max_spins):
-    return Owner(layout, parity, batch, max_spins)
+def _owner(layout, parity, batch, max_spins, multicast):
+    return Owner(layout, parity, batch, max_spins, multicast)
 
 
 @functools.cache
@@ -186,24 +196,26 @@ def _token():
     return jax.ShapeDtypeStruct((1,), jnp.int32)
 
 
-def publish(rows, table, rank, *, layout, parity, two_shot=False, after=None):
+def publish(rows, table, rank, *, layout, parity, two_shot=False, multicast=False, after=None):
     """This rank's producer: its rows into the mailbox slots; returns its int32 [1] token.
 
     `after`: an array XLA must finish first (the protocol needs the previous use of this
-    parity consumed before the publish; data flow usually implies it)."""
-    return cutlass_call(_producer(layout, parity, two_shot), output_shape_dtype=_token())(
-        rows, table, rank, rows if after is None else after)
+    parity consumed before the publish; data flow usually implies it). `multicast`: the
+    table's row T is a multicast address over every rank's buffer."""
+    return cutlass_call(_producer(layout, parity, two_shot, multicast),
+                        output_shape_dtype=_token())(rows, table, rank,
+                                                     rows if after is None else after)
 
 
-def all_reduce(rows, table, rank, *, layout, parity, two_shot=False, max_spins=MAX_SPINS,
-               after=None):
+def all_reduce(rows, table, rank, *, layout, parity, two_shot=False, multicast=False,
+               max_spins=MAX_SPINS, after=None):
     """One rank's all-reduced rows [B, H] bf16 (inside shard_map: `rank` = its axis index [1]);
-    `after` as in `publish`."""
+    `after` and `multicast` as in `publish`."""
     batch = rows.shape[0]
     token = publish(rows, table, rank, layout=layout, parity=parity, two_shot=two_shot,
-                    after=after)
+                    multicast=multicast, after=after)
     if two_shot:
-        token = cutlass_call(_owner(layout, parity, batch, max_spins),
+        token = cutlass_call(_owner(layout, parity, batch, max_spins, multicast),
                              output_shape_dtype=_token())(table, rank, token)
     return cutlass_call(_consumer(layout, parity, two_shot, max_spins),
                         output_shape_dtype=jax.ShapeDtypeStruct(rows.shape, rows.dtype))(
@@ -223,8 +235,9 @@ def all_reduce_virtual(partials, table, *, layout, parity, two_shot=False, max_s
                                       two_shot=two_shot, after=after) for r in range(tp)])
     if two_shot:
         tokens = jnp.concatenate([
-            cutlass_call(_owner(layout, parity, batch, max_spins), output_shape_dtype=_token())(
-                table, ranks[r], tokens) for r in range(tp)])
+            cutlass_call(_owner(layout, parity, batch, max_spins, False),
+                         output_shape_dtype=_token())(table, ranks[r], tokens)
+            for r in range(tp)])
     out = jax.ShapeDtypeStruct(partials.shape[1:], partials.dtype)
     return jnp.stack([
         cutlass_call(_consumer(layout, parity, two_shot, max_spins), output_shape_dtype=out)(

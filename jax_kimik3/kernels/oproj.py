@@ -17,11 +17,12 @@ from jax_kimik3.kernels import lamport
 
 
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, rank,
-                   layout, parity, num_blocks, has_delta, eps, out_eps,
+                   layout, parity, num_blocks, has_delta, eps, out_eps, multicast=False,
                    max_spins=lamport.MAX_SPINS):
     """One rank's post-attention tail through the mailbox: (out, new_prefix, new_blocks)."""
     partial = reference.oproj_partial(x, w)
-    token = lamport.publish(partial, table, rank, layout=layout, parity=parity)
+    token = lamport.publish(partial, table, rank, layout=layout, parity=parity,
+                            multicast=multicast)
     ring = attn_res_kernels.Ring(layout, parity, max_spins, has_delta, table, rank, token)
     return attn_res_kernels.attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                                      num_blocks=num_blocks, delta=None, write_idx=-1, eps=eps,

@@ -121,6 +121,18 @@ def store_words(address: Int64, words, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def multicast_words(address: Int64, words, *, loc=None, ip=None):
+    """`multimem.st.relaxed.sys.global.v4.f32` of four words at a multicast address: the same
+    16 bytes land in every bound rank's buffer (raw bits; nothing is added)."""
+    llvm.inline_asm(
+        None, [Int64(address).ir_value(loc=loc, ip=ip)]
+        + [Uint32(w).ir_value(loc=loc, ip=ip) for w in words],
+        "multimem.st.relaxed.sys.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+
+
+@dsl_user_op
 def store_word(address: Int64, word, *, loc=None, ip=None):
     """Weak st.global.u32 of one word."""
     llvm.inline_asm(
@@ -179,7 +191,8 @@ def is_armed(words):
 
 @cute.jit
 def address_of(table: cute.Tensor, rank):
-    """Rank `rank`'s buffer address from the peer table's (low, high) uint32 words."""
+    """Rank `rank`'s buffer address from the peer table's (low, high) uint32 words (row T:
+    the multicast address)."""
     low, high = Int64(table[rank, 0]), Int64(table[rank, 1])  # Int64() sign-extends a uint32
     mask = Int64(0xFFFFFFFF)
     return ((high & mask) << Int64(32)) | (low & mask)
