@@ -259,7 +259,8 @@ class Mailbox:
         return [r for r in range(self.tp) if self.read(r, self.layout.status, 4)[0]]
 
     def check(self):
-        """Raise TimeoutError if any consumer timed out waiting for a peer."""
+        """Raise TimeoutError if any consumer timed out waiting for a peer. After one, the
+        slots may hold a late peer's rows: `arm()` again (with every peer idle) before reuse."""
         ranks = self.timed_out()
         if ranks:
             raise TimeoutError(f"mailbox consumers of ranks {ranks} timed out waiting for a peer")
