@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from jax_kimik3 import reference
 from jax_kimik3.backend import Backend, use_kernels
-from jax_kimik3.validation import Checker, check_attn_res, check_backend, check_blocks, check_weights
+from jax_kimik3.validation import (Checker, check_attn_res, check_backend, check_blocks,
+                                   check_mailbox_rows, check_weights)
 
 
 def _kernels():
@@ -77,7 +78,7 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
         check.array("w", w, (rows[1], x.shape[1]), jnp.bfloat16)
     check_backend(check, backend)
     if mailbox is not None:
-        _check_all_reduce(check, prefix, "prefix", mailbox, parity, axis_name)
+        check_mailbox_rows(check, prefix, "prefix", mailbox, parity, axis_name)
     elif backend == "kernel":
         check.fail("backend='kernel' needs mailbox= (the all-reduce's peer buffers)")
     check.done()
@@ -95,20 +96,6 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
                                     has_delta=has_delta, eps=eps, out_eps=out_eps)
 
 
-def _check_all_reduce(check, rows, name, mailbox, parity, axis_name=None):
-    """Rows that fit the mailbox, a parity, and (in shard_map) one rank per mailbox buffer."""
-    layout = mailbox.layout
-    check.array(name, rows, (None, layout.hidden), jnp.bfloat16)
-    if rows.ndim == 2 and rows.shape[0] > layout.capacity:
-        check.fail(f"{name} has batch B={rows.shape[0]}; must be in [1, {layout.capacity}] "
-                   "(mailbox capacity)")
-    if parity not in (0, 1):
-        check.fail(f"parity={parity} must be 0 or 1 (layer index % 2)")
-    if axis_name is not None and jax.lax.axis_size(axis_name) != mailbox.tp:
-        check.fail(f"axis {axis_name!r} has {jax.lax.axis_size(axis_name)} ranks; the mailbox "
-                   f"has tp={mailbox.tp}")
-
-
 @functools.partial(jax.jit, static_argnames=("mailbox", "axis_name", "parity", "two_shot",
                                              "max_spins"))
 def all_reduce(rows, mailbox, *, axis_name, parity, two_shot=False, max_spins=None):
@@ -121,7 +108,7 @@ def all_reduce(rows, mailbox, *, axis_name, parity, two_shot=False, max_spins=No
     from jax_kimik3.kernels import lamport
 
     check = Checker("all_reduce")
-    _check_all_reduce(check, rows, "rows", mailbox, parity, axis_name)
+    check_mailbox_rows(check, rows, "rows", mailbox, parity, axis_name)
     check.done()
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
     return lamport.all_reduce(rows, jnp.asarray(mailbox.peer_table), rank, layout=mailbox.layout,
@@ -141,7 +128,7 @@ def all_reduce_virtual(partials, mailbox, *, parity, two_shot=False, max_spins=N
     if partials.ndim != 3 or partials.shape[0] != mailbox.tp:
         check.fail(f"partials has shape={tuple(partials.shape)}; expected [tp={mailbox.tp}, B, H]")
     else:
-        _check_all_reduce(check, partials[0], "partials[r]", mailbox, parity)
+        check_mailbox_rows(check, partials[0], "partials[r]", mailbox, parity)
     check.done()
     return lamport.all_reduce_virtual(partials, jnp.asarray(mailbox.peer_table),
                                       layout=mailbox.layout, parity=parity, two_shot=two_shot,

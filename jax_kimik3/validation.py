@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jax_kimik3.backend import BACKENDS
@@ -29,9 +30,9 @@ class Checker:
             return False
         return True
 
-    def batch(self, name, b):
-        if not 1 <= b <= CAPACITY:
-            self.fail(f"{name} has batch B={b}; must be in [1, {CAPACITY}] (mailbox capacity)")
+    def batch(self, name, b, capacity=CAPACITY):
+        if not 1 <= b <= capacity:
+            self.fail(f"{name} has batch B={b}; must be in [1, {capacity}] (mailbox capacity)")
 
     def positive(self, name, value):
         if not value > 0:
@@ -101,3 +102,15 @@ def check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
 def check_backend(check, backend):
     if backend not in BACKENDS:
         check.fail(f"backend={backend!r} must be one of {BACKENDS}")
+
+
+def check_mailbox_rows(check, rows, name, mailbox, parity, axis_name=None):
+    """Rows that fit the mailbox, a parity, and (in shard_map) one rank per mailbox buffer."""
+    layout = mailbox.layout
+    if check.array(name, rows, (None, layout.hidden), jnp.bfloat16):
+        check.batch(name, rows.shape[0], layout.capacity)
+    if parity not in (0, 1):
+        check.fail(f"parity={parity} must be 0 or 1 (layer index % 2)")
+    if axis_name is not None and jax.lax.axis_size(axis_name) != mailbox.tp:
+        check.fail(f"axis {axis_name!r} has {jax.lax.axis_size(axis_name)} ranks; the mailbox "
+                   f"has tp={mailbox.tp}")

@@ -229,7 +229,6 @@ def all_reduce_virtual(partials, table, *, layout, parity, two_shot=False, max_s
     partials [T, B, H] bf16 → [T, B, H] bf16, each rank's all-reduced rows.
     """
     tp, batch = partials.shape[0], partials.shape[1]
-    after = partials if after is None else after
     ranks = [jnp.full((1,), r, jnp.int32) for r in range(tp)]
     tokens = jnp.concatenate([publish(partials[r], table, ranks[r], layout=layout, parity=parity,
                                       two_shot=two_shot, after=after) for r in range(tp)])
