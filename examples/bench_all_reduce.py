@@ -1,9 +1,13 @@
-"""Benchmark: the Lamport all-reduce in virtual TP (every rank on one GPU) against XLA's sum.
+"""Benchmark: the Lamport mailbox all-reduce against XLA's.
 
-One step = every rank's producer, [every owner,] every consumer, for partials [TP, B, H];
-the baseline is the same sum done by XLA on the one device (fp32 over ranks, bf16 out). On a
-single GPU this measures the protocol's cost (all TP ranks' traffic lands on one GPU), not
-NVLink. Writes bench_all_reduce.json and .md to --out.
+--mode mesh (several GPUs): a TP mesh of every local GPU, one JAX device each, under shard_map.
+  Per B: one-shot and two-shot mailbox all-reduce; `psum` (NCCL; fp32 sum of the bf16 rows, as
+  the reference does); and the same psum with XLA's own one-shot kernel
+  (--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true, in a child process: XLA reads
+  flags at start-up). Each call's input is the last call's result (latency, as in decode).
+--mode virtual (one GPU): every rank's producer, [owner,] consumer on one device, against XLA
+  summing [TP, B, H] there. This measures the protocol's cost, not NVLink.
+Writes bench_all_reduce_<mode>.json and .md to --out.
 
     python examples/bench_all_reduce.py --out /tmp/bench
 """
@@ -11,32 +15,107 @@ NVLink. Writes bench_all_reduce.json and .md to --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import pathlib
+import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
 import jax_kimik3 as k3  # noqa: E402
+import report  # noqa: E402
+from jax_kimik3 import reference  # noqa: E402
 from timing import time_per_call  # noqa: E402
 
 H = k3.KIMI_K3.hidden_size
+XLA_ONE_SHOT = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tps", default="2,4,8,16")
-    parser.add_argument("--batches", default="1,8,64")
-    parser.add_argument("--sets", type=int, default=16, help="input sets, one per call")
+    parser.add_argument("--mode", choices=("mesh", "virtual"), default=None,
+                        help="default: mesh on several GPUs, virtual on one")
+    parser.add_argument("--tps", default="2,4,8,16", help="virtual mode: TP sizes")
+    parser.add_argument("--batches", default="1,8,16,64")
+    parser.add_argument("--sets", type=int, default=16, help="calls per timed chain")
+    parser.add_argument("--psum-only", action="store_true",
+                        help="mesh mode: time psum alone and print JSON (the child process)")
     parser.add_argument("--out", default=".")
-    args = parser.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        sys.exit("bench_all_reduce needs a GPU")
+    return parser.parse_args(argv)
+
+
+def mesh_times(args):
+    """{B: {column: µs}} on a mesh of every local GPU; parities alternate within each call."""
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("tp",))
+    rng = np.random.default_rng(0)
+
+    def on_mesh(fn):  # carry [T·B, H], rank r's rows at r
+        return jax.shard_map(fn, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+
+    def psum(carry, _):
+        return on_mesh(lambda x: reference.all_reduce(x, "tp"))(carry)
+
+    times = {}
+    mailbox = None if args.psum_only else k3.Mailbox.for_devices(devices)
+    for b in map(int, args.batches.split(",")):
+        rows = jax.device_put(
+            jnp.asarray(rng.standard_normal((len(devices) * b, H), np.float32), jnp.bfloat16),
+            NamedSharding(mesh, P("tp")))
+        columns = {"psum": psum}
+        if mailbox is not None:
+            for name, two_shot in (("one_shot", False), ("two_shot", True)):
+                def lamport(carry, _, two_shot=two_shot):  # two layers: parity 0, then 1
+                    for parity in (0, 1):
+                        carry = on_mesh(lambda x, parity=parity: k3.all_reduce(
+                            x, mailbox, axis_name="tp", parity=parity, two_shot=two_shot))(carry)
+                    return carry
+                columns[name] = lamport
+        times[b] = {name: time_per_call(step, rows, [None] * args.sets)
+                    / (1 if name == "psum" else 2) for name, step in columns.items()}
+    if mailbox is not None:
+        mailbox.check()
+        mailbox.close()
+    return times
+
+
+def xla_one_shot_times(args):
+    """psum's times in a child process started with XLA's one-shot all-reduce kernel."""
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {XLA_ONE_SHOT}")
+    child = subprocess.run([sys.executable, __file__, "--mode", "mesh", "--psum-only",
+                            "--batches", args.batches, "--sets", str(args.sets)],
+                           env=env, capture_output=True, text=True)
+    if child.returncode:
+        print(f"XLA one-shot run failed:\n{child.stderr[-2000:]}", file=sys.stderr)
+        return {}
+    return {int(b): t["psum"] for b, t in json.loads(child.stdout.splitlines()[-1]).items()}
+
+
+def mesh_mode(args):
+    times = mesh_times(args)
+    if args.psum_only:
+        print(json.dumps(times))
+        return
+    one_shot_xla = xla_one_shot_times(args)
+    tp = len(jax.devices())
+    rows = [dict(tp=tp, batch=b, one_shot_us=t["one_shot"], two_shot_us=t["two_shot"],
+                 psum_us=t["psum"], xla_one_shot_us=one_shot_xla.get(b, float("nan")),
+                 speedup_vs_psum=t["psum"] / min(t["one_shot"], t["two_shot"]))
+            for b, t in times.items()]
+    report.write(args.out, "bench_all_reduce_mesh", report.meta(), rows,
+                 f"Mailbox all-reduce on a TP{tp} mesh vs psum (NCCL) and XLA's one-shot kernel", [
+                     ("TP", "{tp}"), ("B", "{batch}"), ("one-shot µs", "{one_shot_us:.2f}"),
+                     ("two-shot µs", "{two_shot_us:.2f}"), ("psum µs", "{psum_us:.2f}"),
+                     ("XLA one-shot µs", "{xla_one_shot_us:.2f}"),
+                     ("best vs psum", "{speedup_vs_psum:.2f}x")])
+
+
+def virtual_mode(args):
     rng = np.random.default_rng(0)
     rows = []
     for tp in map(int, args.tps.split(",")):
@@ -61,20 +140,18 @@ def main(argv=None):
                     row[name] = time_per_call(step, carry, sets)
                 mailbox.check()
                 rows.append(row)
-    meta = dict(date=datetime.date.today().isoformat(), gpu=jax.devices()[0].device_kind,
-                jax=jax.__version__)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_all_reduce.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = [f"Virtual-TP Lamport all-reduce vs XLA sum on one device: {meta['gpu']}, "
-             f"{meta['date']}, jax {meta['jax']}", "",
-             "| TP | B | one-shot µs | two-shot µs | XLA sum µs |", "|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['tp']} | {r['batch']} | {r['one_shot_us']:.2f} | "
-                     f"{r['two_shot_us']:.2f} | {r['xla_sum_us']:.2f} |")
-    text = "\n".join(lines)
-    (out / "bench_all_reduce.md").write_text(text + "\n")
-    print(text)
+    report.write(args.out, "bench_all_reduce_virtual", report.meta(), rows,
+                 "Virtual-TP mailbox all-reduce vs XLA sum on one device", [
+                     ("TP", "{tp}"), ("B", "{batch}"), ("one-shot µs", "{one_shot_us:.2f}"),
+                     ("two-shot µs", "{two_shot_us:.2f}"), ("XLA sum µs", "{xla_sum_us:.2f}")])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if jax.default_backend() != "gpu":
+        sys.exit("bench_all_reduce needs a GPU")
+    mode = args.mode or ("mesh" if len(jax.devices()) > 1 else "virtual")
+    (mesh_mode if mode == "mesh" else virtual_mode)(args)
 
 
 if __name__ == "__main__":

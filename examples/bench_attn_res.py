@@ -2,7 +2,7 @@
 
 For each batch B and saved-block count K: median µs per call inside one jit (inputs rotated),
 achieved GB/s, the floor (bytes moved over the measured copy bandwidth), the speedup over the
-reference and the kernel's time over (floor + 2 µs). Writes results.json and results.md to --out.
+reference and the kernel's time over (floor + 2 µs). Writes bench_attn_res.json and .md to --out.
 
     python examples/bench_attn_res.py --out /tmp/bench
 """
@@ -10,11 +10,8 @@ reference and the kernel's time over (floor + 2 µs). Writes results.json and re
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import os
-import pathlib
 import sys
 
 import jax
@@ -23,6 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 import jax_kimik3 as k3  # noqa: E402
 from jax_kimik3.inputs import attn_res_inputs  # noqa: E402
+import report  # noqa: E402
 from timing import copy_bandwidth, time_per_call  # noqa: E402
 
 H, NB = k3.KIMI_K3.hidden_size, k3.KIMI_K3.num_attn_res_blocks
@@ -37,8 +35,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("bench_attn_res needs a GPU")
-    import cutlass
-
     bandwidth = copy_bandwidth()
     rng = np.random.default_rng(0)
     rows = []
@@ -55,24 +51,13 @@ def main(argv=None):
             rows.append(dict(batch=b, k=k, kernel_us=kernel, reference_us=ref,
                              speedup=ref / kernel, kernel_gbps=moved / kernel / 1e3,
                              floor_us=floor, vs_floor_plus_2us=kernel / (floor + 2.0)))
-    meta = dict(date=datetime.date.today().isoformat(), gpu=jax.devices()[0].device_kind,
-                jax=jax.__version__, cutlass_dsl=getattr(cutlass, "__version__", "?"),
-                copy_bandwidth_tbps=bandwidth / 1e12)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_attn_res.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = [f"AttnRes kernel vs jitted reference: {meta['gpu']}, {meta['date']}, jax "
-             f"{meta['jax']}, CuTe DSL {meta['cutlass_dsl']}, copy {meta['copy_bandwidth_tbps']:.2f} TB/s",
-             "", "| B | K | kernel µs | reference µs | speedup | kernel GB/s | floor µs | kernel/(floor+2µs) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['batch']} | {r['k']} | {r['kernel_us']:.2f} | {r['reference_us']:.2f} | "
-                     f"{r['speedup']:.2f}x | {r['kernel_gbps']:.0f} | {r['floor_us']:.2f} | "
-                     f"{r['vs_floor_plus_2us']:.2f} |")
-    text = "\n".join(lines)
-    (out / "bench_attn_res.md").write_text(text + "\n")
-    print(text)
-
+    info = report.meta(copy_bandwidth_tbps=bandwidth / 1e12)
+    report.write(args.out, "bench_attn_res", info, rows,
+                 f"AttnRes kernel vs jitted reference (copy {bandwidth / 1e12:.2f} TB/s)", [
+                     ("B", "{batch}"), ("K", "{k}"), ("kernel µs", "{kernel_us:.2f}"),
+                     ("reference µs", "{reference_us:.2f}"), ("speedup", "{speedup:.2f}x"),
+                     ("kernel GB/s", "{kernel_gbps:.0f}"), ("floor µs", "{floor_us:.2f}"),
+                     ("kernel/(floor+2µs)", "{vs_floor_plus_2us:.2f}")])
 
 if __name__ == "__main__":
     main()

@@ -90,6 +90,15 @@ def all_reduce(partials):
     return to_bf16(sum(f64(p) for p in partials))
 
 
+def rank_order_sum(partials):
+    """The all-reduce's specified result: an fp32 sum in rank order, rounded to bf16 (overflow
+    to inf and inf - inf = nan happen as in fp32, which a float64 sum does not model)."""
+    acc = np.asarray(partials[0]).astype(np.float32)
+    for p in partials[1:]:
+        acc = acc + np.asarray(p).astype(np.float32)
+    return acc.astype(BF16)
+
+
 def assert_bf16_close(actual, expected, what=""):
     """bf16 `actual` against float64 `expected` within BF16_RTOL + ROW_ATOL·rms(row)."""
     actual, expected = f64(actual), f64(expected)
@@ -100,3 +109,23 @@ def assert_bf16_close(actual, expected, what=""):
     assert not bad.any(), (
         f"{what}: {bad.sum()} of {bad.size} elements off; worst err/bound="
         f"{np.nanmax(err / bound):.3g} at {np.unravel_index(np.nanargmax(err / bound), err.shape)}")
+
+
+def assert_tail_close(out, prefix, x, w, inp, *, tp, num_blocks, has_delta):
+    """One rank's post-attention tail (out, new prefix) from x [B, K], w [H, K] split over `tp`
+    ranks along K, and AttnResInputs `inp`, against this model."""
+    shards = np.split(np.arange(x.shape[1]), tp)
+    x_shards, w_shards = [x[:, s] for s in shards], [w[:, s] for s in shards]
+    partials = oproj_partials(x_shards, w_shards)
+    attn_out = all_reduce(partials)
+    want_prefix = prefix_update(inp.prefix, attn_out) if has_delta else attn_out
+    # The package's dots accumulate in fp32 (DOT_RTOL); then each bf16 partial, their sum and
+    # the prefix add may each round one ulp away from the float64 path (BF16_RTOL each).
+    magnitude = sum(np.abs(f64(p)) for p in partials) + np.abs(f64(want_prefix))
+    bound = 2 * BF16_RTOL * magnitude + DOT_RTOL * dot_scale(x_shards, w_shards)
+    err = np.abs(f64(prefix) - f64(want_prefix))
+    assert (err <= bound).all(), f"attn_out: worst err/bound {np.max(err / bound):.3g}"
+    # The AttnRes stage, on the package's own prefix.
+    want_out, _, _ = attn_res(np.asarray(prefix), inp.blocks, inp.res_norm_w, inp.res_proj_w,
+                              inp.out_norm_w, num_blocks=num_blocks)
+    assert_bf16_close(out, want_out, "out")

@@ -90,22 +90,13 @@ def adversarial(rng, tp, b):
     return bf16(partials)
 
 
-def rank_order_sum(partials):
-    """The specified result: an fp32 sum in rank order, rounded to bf16 (overflow to inf and
-    inf - inf = nan happen as in fp32, which a float64 sum does not model)."""
-    acc = partials[0].astype(np.float32)
-    for r in range(1, partials.shape[0]):
-        acc = acc + partials[r].astype(np.float32)
-    return acc.astype(ml_dtypes.bfloat16)
-
-
 @pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
 @pytest.mark.parametrize("tp", [2, 8])
 def test_adversarial_rows(rng, mailboxes, tp, two_shot):
     partials = adversarial(rng, tp, 16)
     mailbox = mailboxes(tp)
     with np.errstate(over="ignore", invalid="ignore"):
-        want = rank_order_sum(partials)
+        want = oracle.rank_order_sum(partials)
     got = run(partials, mailbox, 1, two_shot)
     for r in range(tp):  # bit for bit, nan for nan; a sum of zeros may be +0 where fp32 gives -0
         same = (got[r].view(np.uint16) == want.view(np.uint16)) | (

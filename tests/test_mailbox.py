@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import os
-import re
 import subprocess
 import sys
 
