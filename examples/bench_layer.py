@@ -1,12 +1,15 @@
-"""Benchmark: the post-attention tail of one layer (o_proj + all-reduce + AttnRes), kernels
-against the XLA reference (dot + psum + reference AttnRes), on a TP mesh of every local GPU.
+"""Benchmark: Kimi K3's post-attention tail, kernels against XLA, in two parts.
 
-Per B: the kernel tail (`oproj_attn_res` with a mailbox), the reference tail, and the
-reference tail with XLA's one-shot all-reduce kernel (a child process, as in
-bench_all_reduce.py). Each timed call runs two layers (parity 0, then 1) with their own
-o_proj weights, and the input sets together overflow the L2; the AttnRes is a delta layer over
-K = 8 saved blocks. The floor is the o_proj weight's bytes over the measured copy bandwidth.
-Writes bench_layer.json and .md to --out.
+oproj (one GPU): the o_proj producer kernel (`kernels.producer.project`) against XLA's dot
+  (cuBLAS) for one rank's weight [7168, 12288/TP], per B: µs, GB/s and the share of the
+  measured copy bandwidth (the floor: the weight read once).
+tail (a TP mesh of every local GPU): the kernel tail (`oproj_attn_res` with a mailbox:
+  producer + AttnRes consumer) against the XLA reference (dot + psum + reference AttnRes),
+  and on several GPUs the reference with XLA's one-shot all-reduce kernel (a child process,
+  as in bench_all_reduce.py). Each timed call runs two layers (parity 0, then 1) with their
+  own o_proj weights; the AttnRes is a delta layer over K = 8 saved blocks.
+Each call's x waits for the previous call's result (as through attention in decode), and the
+input sets together overflow the L2. Writes bench_layer_oproj/_tail .json and .md to --out.
 
     python examples/bench_layer.py --out /tmp/bench
 """
@@ -20,6 +23,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -28,6 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax_kimik3 as k3  # noqa: E402
 import report  # noqa: E402
 from bench_all_reduce import XLA_ONE_SHOT  # noqa: E402
+from jax_kimik3 import reference  # noqa: E402
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs  # noqa: E402
 from timing import copy_bandwidth, time_per_call  # noqa: E402
 
@@ -38,12 +43,46 @@ NUM_BLOCKS = 8
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="oproj,tail")
     parser.add_argument("--batches", default="1,2,8,16,64")
+    parser.add_argument("--tps", default="1,2,4,8,16", help="oproj part: K = 12288 / TP")
     parser.add_argument("--sets", type=int, default=4, help="input sets (two layers each)")
     parser.add_argument("--reference-only", action="store_true",
                         help="time the reference alone and print JSON (the child process)")
     parser.add_argument("--out", default=".")
     return parser.parse_args(argv)
+
+
+def oproj_rows(args, bandwidth):
+    """The producer and XLA's dot per (TP, B) on one GPU, with GB/s against copy bandwidth."""
+    from jax_kimik3.kernels import producer
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for tp in map(int, args.tps.split(",")):
+        k = K_TOTAL // tp
+        weight_bytes = H * k * 2
+        count = max(2, -(-(256 << 20) // weight_bytes))  # weights past the 60 MB L2
+        weights = [jax.device_put(oproj_inputs(rng, 1, k)[1]) for _ in range(count)]
+        for b in map(int, args.batches.split(",")):
+            sets = [(jnp.asarray(rng.standard_normal((b, k), np.float32), jnp.bfloat16), w)
+                    for w in weights]
+
+            def step(carry, xw, project):
+                x, _ = jax.lax.optimization_barrier((xw[0], carry))  # x waits for the last call
+                return project(x, xw[1])
+
+            carry = jnp.zeros((b, H), jnp.bfloat16)
+            times = {name: time_per_call(lambda c, xw, f=f: step(c, xw, f), carry, sets)
+                     for name, f in (("producer", producer.project),
+                                     ("xla_dot", reference.oproj_partial))}
+            floor = 1e6 * weight_bytes / bandwidth
+            rows.append(dict(tp=tp, k=k, batch=b, producer_us=times["producer"],
+                             xla_dot_us=times["xla_dot"],
+                             speedup=times["xla_dot"] / times["producer"],
+                             producer_gbps=weight_bytes / times["producer"] / 1e3,
+                             of_copy=floor / times["producer"], floor_us=floor))
+    return rows
 
 
 def tail_times(args):
@@ -53,24 +92,26 @@ def tail_times(args):
     split = NamedSharding(mesh, P(None, "tp"))
     rng = np.random.default_rng(0)
     mailbox = None if args.reference_only else k3.Mailbox.for_devices(devices)
+    weights = [jax.device_put(oproj_inputs(rng, 1)[1], split) for _ in range(2 * args.sets)]
     times = {}
     for b in map(int, args.batches.split(",")):
         inp = jax.device_put(attn_res_inputs(rng, b, NB), NamedSharding(mesh, P()))
-        sets = []
-        for _ in range(args.sets):
-            layers = [oproj_inputs(rng, b) for _ in range(2)]
-            sets.append([jax.device_put(a, split) for layer in layers for a in layer])
+        xs = [jax.device_put(jnp.asarray(rng.standard_normal((b, K_TOTAL), np.float32),
+                                         jnp.bfloat16), split) for _ in weights]
+        sets = [[a for layer in (2 * i, 2 * i + 1) for a in (xs[layer], weights[layer])]
+                for i in range(args.sets)]
 
         def step(carry, layer_inputs, backend):
             def layers(prefix, out, x0, w0, x1, w1):
                 for parity, (x, w) in enumerate(((x0, w0), (x1, w1))):
+                    # As in decode, this layer's x waits for the last layer's out (through
+                    # attention): XLA cannot run this o_proj early, under the last all-reduce.
+                    x, out = jax.lax.optimization_barrier((x, out))
                     out, prefix, _ = k3.oproj_attn_res(
                         x, w, prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w,
                         inp.out_norm_w, axis_name="tp", num_blocks=NUM_BLOCKS, has_delta=True,
                         mailbox=mailbox if backend == "kernel" else None, parity=parity,
                         backend=backend)
-                    # Keeps `out` alive: XLA would drop the reference's unused out otherwise.
-                    prefix, out = jax.lax.optimization_barrier((prefix, out))
                 return prefix, out
             return jax.shard_map(layers, mesh=mesh, in_specs=(P(), P()) + (P(None, "tp"),) * 4,
                                  out_specs=(P(), P()))(*carry, *layer_inputs)
@@ -101,25 +142,35 @@ def main(argv=None):
     args = parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("bench_layer needs a GPU")
-    times = tail_times(args)
     if args.reference_only:
-        print(json.dumps(times))
+        print(json.dumps(tail_times(args)))
         return
-    tp = len(jax.devices())
-    one_shot_xla = xla_one_shot_times(args) if tp > 1 else {}
     bandwidth = copy_bandwidth()
-    floor = 1e6 * H * (K_TOTAL // tp) * 2 / bandwidth  # this rank's o_proj weight, streamed once
-    rows = [dict(tp=tp, batch=b, kernel_us=t["kernel"], reference_us=t["reference"],
-                 reference_one_shot_us=one_shot_xla.get(b, float("nan")),
-                 speedup=t["reference"] / t["kernel"], floor_us=floor)
-            for b, t in times.items()]
-    report.write(args.out, "bench_layer", report.meta(copy_bandwidth_tbps=bandwidth / 1e12), rows,
-                 f"Post-attention tail per layer, kernels vs XLA reference, TP{tp} mesh", [
-                     ("TP", "{tp}"), ("B", "{batch}"), ("kernel tail µs", "{kernel_us:.2f}"),
-                     ("reference µs", "{reference_us:.2f}"),
-                     ("reference + XLA one-shot µs", "{reference_one_shot_us:.2f}"),
-                     ("speedup", "{speedup:.2f}x"), ("o_proj floor µs", "{floor_us:.2f}")])
-
+    info = report.meta(copy_bandwidth_tbps=bandwidth / 1e12)
+    parts = args.parts.split(",")
+    if "oproj" in parts:
+        report.write(args.out, "bench_layer_oproj", info, oproj_rows(args, bandwidth),
+                     f"o_proj producer vs XLA's dot, one rank's [7168, K] weight "
+                     f"(copy {bandwidth / 1e12:.2f} TB/s)", [
+                         ("TP", "{tp}"), ("K", "{k}"), ("B", "{batch}"),
+                         ("producer µs", "{producer_us:.2f}"), ("XLA dot µs", "{xla_dot_us:.2f}"),
+                         ("speedup", "{speedup:.2f}x"), ("producer GB/s", "{producer_gbps:.0f}"),
+                         ("of copy BW", "{of_copy:.0%}"), ("floor µs", "{floor_us:.2f}")])
+    if "tail" in parts:
+        times = tail_times(args)
+        tp = len(jax.devices())
+        one_shot_xla = xla_one_shot_times(args) if tp > 1 else {}
+        floor = 1e6 * H * (K_TOTAL // tp) * 2 / bandwidth  # this rank's weight, read once
+        rows = [dict(tp=tp, batch=b, kernel_us=t["kernel"], reference_us=t["reference"],
+                     reference_one_shot_us=one_shot_xla.get(b, float("nan")),
+                     speedup=t["reference"] / t["kernel"], floor_us=floor)
+                for b, t in times.items()]
+        report.write(args.out, "bench_layer_tail", info, rows,
+                     f"Post-attention tail per layer, kernels vs XLA reference, TP{tp} mesh", [
+                         ("TP", "{tp}"), ("B", "{batch}"), ("kernel tail µs", "{kernel_us:.2f}"),
+                         ("reference µs", "{reference_us:.2f}"),
+                         ("reference + XLA one-shot µs", "{reference_one_shot_us:.2f}"),
+                         ("speedup", "{speedup:.2f}x"), ("o_proj floor µs", "{floor_us:.2f}")])
 
 if __name__ == "__main__":
     main()

@@ -254,6 +254,12 @@ class Mailbox:
         _check(self._cu.cuMemcpyDtoH(out.ctypes.data, self.addresses[rank] + offset, nbytes))
         return out
 
+    def unarmed(self) -> int:
+        """Words of every rank's armed regions not holding SENTINEL: 0 between steps, when
+        every consumer has re-armed what it read (for checks; waits for the GPUs)."""
+        return sum(int(np.count_nonzero(self.read(r, 0, self.layout.armed_bytes) != SENTINEL))
+                   for r in range(self.tp))
+
     def timed_out(self) -> list[int]:
         """The ranks whose consumer's bounded spin gave up since the last `arm`."""
         return [r for r in range(self.tp) if self.read(r, self.layout.status, 4)[0]]

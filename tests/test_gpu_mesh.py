@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 import jax_kimik3 as k3
 from jax_kimik3 import reference
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
-from jax_kimik3.mailbox import SENTINEL
 from tests import oracle
 
 pytestmark = pytest.mark.gpu
@@ -32,12 +31,6 @@ def mesh():
 def mailbox(mesh):
     with k3.Mailbox.for_devices(mesh.devices.flat) as box:
         yield box
-
-
-def unarmed(mailbox):
-    """Words of every rank's armed regions not holding SENTINEL (a host read of idle GPUs)."""
-    return sum(int(np.count_nonzero(mailbox.read(r, 0, mailbox.layout.armed_bytes) != SENTINEL))
-               for r in range(mailbox.tp))
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "mailbox", "parity", "two_shot"))
@@ -62,7 +55,7 @@ def test_all_reduce_on_mesh(rng, mesh, mailbox, b, two_shot):
             np.testing.assert_array_equal(got[r].view(np.uint16), want.view(np.uint16),
                                           err_msg=f"rank {r}, parity {parity}")
     mailbox.check()
-    assert unarmed(mailbox) == 0
+    assert mailbox.unarmed() == 0
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "mailbox", "num_blocks", "has_delta",
@@ -99,7 +92,7 @@ def test_tail_on_mesh(rng, mesh, mailbox, b, has_delta):
         oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=mailbox.tp, num_blocks=5,
                                  has_delta=has_delta)
     mailbox.check()
-    assert unarmed(mailbox) == 0
+    assert mailbox.unarmed() == 0
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "mailbox", "parity", "batch", "two_shot"))
@@ -136,4 +129,4 @@ def test_ten_thousand_steps_on_mesh(mesh, mailbox, two_shot):
         if step % 2500 == 2499:
             assert int(total) == 0, f"mismatches by step {step}"
             mailbox.check()
-            assert unarmed(mailbox) == 0, f"unarmed words after step {step}"
+            assert mailbox.unarmed() == 0, f"unarmed words after step {step}"

@@ -61,6 +61,30 @@ def _grid(batch, nvec):
     return [(batch * nvec + THREADS - 1) // THREADS, 1, 1]
 
 
+@cute.jit
+def publish_words(words, table: cute.Tensor, rank, row, vec, *, layout: cutlass.Constexpr,
+                  parity: cutlass.Constexpr, two_shot: cutlass.Constexpr,
+                  multicast: cutlass.Constexpr):
+    """Publish vector `vec` (8 bf16, -0 already rewritten) of rank `rank`'s row `row`:
+    one-shot into slot `rank` of every rank (multicast: one store), two-shot into slot `rank`
+    of the receive region of the owner of the vector's column chunk."""
+    lay = layout
+    if cutlass.const_expr(not two_shot):
+        offset = (Int64(lay.slot(parity, 0)) + Int64(rank) * (lay.capacity * lay.row_bytes)
+                  + Int64(row) * lay.row_bytes + Int64(vec) * VECTOR_BYTES)
+        if cutlass.const_expr(multicast):
+            multicast_words(address_of(table, lay.tp) + offset, words)
+        else:
+            for q in cutlass.range_constexpr(lay.tp):
+                store_words(address_of(table, q) + offset, words)
+    else:
+        chunk_vecs, chunk_bytes = lay.chunk // VECTOR, lay.chunk * 2
+        owner = vec // chunk_vecs
+        offset = (Int64(lay.receive(parity, 0)) + Int64(rank) * (lay.capacity * chunk_bytes)
+                  + Int64(row) * chunk_bytes + Int64(vec - owner * chunk_vecs) * VECTOR_BYTES)
+        store_words(address_of(table, owner) + offset, words)
+
+
 class Producer:
     """Publishes one rank's rows into the mailboxes (one-shot: every rank; two-shot: owners)."""
 
@@ -85,23 +109,9 @@ class Producer:
             rank = rank_t[0]
             source = (Int64(rows.iterator.toint()) + Int64(row) * lay.row_bytes
                       + Int64(vec) * VECTOR_BYTES)
-            words = without_negative_zero(load_words(source))
-            if cutlass.const_expr(not self.two_shot):  # slot `rank` of every rank
-                offset = (Int64(lay.slot(self.parity, 0))
-                          + Int64(rank) * (lay.capacity * lay.row_bytes)
-                          + Int64(row) * lay.row_bytes + Int64(vec) * VECTOR_BYTES)
-                if cutlass.const_expr(self.multicast):
-                    multicast_words(address_of(table, lay.tp) + offset, words)
-                else:
-                    for q in cutlass.range_constexpr(lay.tp):
-                        store_words(address_of(table, q) + offset, words)
-            else:  # slot `rank` of the owner of this vector's chunk
-                chunk_vecs, chunk_bytes = lay.chunk // VECTOR, lay.chunk * 2
-                owner = vec // chunk_vecs
-                offset = (Int64(lay.receive(self.parity, 0))
-                          + Int64(rank) * (lay.capacity * chunk_bytes) + Int64(row) * chunk_bytes
-                          + Int64(vec - owner * chunk_vecs) * VECTOR_BYTES)
-                store_words(address_of(table, owner) + offset, words)
+            publish_words(without_negative_zero(load_words(source)), table, rank, row, vec,
+                          layout=lay, parity=self.parity, two_shot=self.two_shot,
+                          multicast=self.multicast)
         if item == 0:
             token[0] = Int32(1)
 

@@ -110,6 +110,33 @@ def load_words(address: Int64, *, volatile: cutlass.Constexpr[bool] = False, loc
 
 
 @dsl_user_op
+def stream_words(address: Int64, *, loc=None, ip=None):
+    """16 read-only bytes at `address` as four Uint32, streamed: a non-coherent load that
+    skips L1 and asks L2 for the whole 256-byte line (weights read once per call)."""
+    out = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4), [Int64(address).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Uint32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def mma_bf16(a, b, c, *, loc=None, ip=None):
+    """One warp-wide `mma.sync.m16n8k16` (bf16 in, fp32 accumulate): D = A·B + C with this
+    lane's fragments a (4 words), b (2 words), c (4 fp32); returns D's 4 fp32."""
+    out = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Uint32(w).ir_value(loc=loc, ip=ip) for w in (*a, *b)]
+        + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
 def store_words(address: Int64, words, *, loc=None, ip=None):
     """Weak st.global.v4.u32 of four words; a Lamport reader polls every word, so it needs no
     fence: a word either still holds SENTINEL or holds its final value."""

@@ -1,0 +1,161 @@
+"""The o_proj producer (sm_90a): this rank's rows bf16(x @ w.T), ending in the Lamport publish.
+
+x [B, K] bf16 (B <= 64, K = 12288/TP), w [N, K] bf16 with N = 7168: weight streaming, so
+the kernel's job is to read w once at copy bandwidth. One CTA owns 16 rows of w (N/16 = 448
+CTAs, all resident at once); its WARPS warps split K and each runs `mma.sync.m16n8k16` with
+w's 16 rows as A and x as B, one 8-column B tile per 8 tokens:
+- any bijection of k is a valid reduction order, as long as A and B use the same one, so lane
+  (g, t) (g = lane / 4, t = lane % 4) loads 16 contiguous bytes of rows g and g + 8 of w and of
+  token row g of x at k = 8t, and feeds the first 8 bytes of each to one mma and the last 8 to
+  the next: every load is a full 16-byte vector, 64 contiguous bytes per row per 4 lanes;
+- a lane's accumulator (n0 + g [+8], token 8j + 2t [+1]) goes to shared memory; the warps'
+  partial sums are added in warp order (deterministic), rounded to bf16, and leave as 16-byte
+  vectors: into a plain [B, N] output, or published into the mailbox (lamport.publish_words).
+Token rows past B read row B - 1 (no branch in the loop) and are never stored.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import jax
+import jax.numpy as jnp
+from cutlass import Float32, Int32, Int64
+from cutlass.jax import cutlass_call
+
+from jax_kimik3.kernels.lamport import publish_words
+from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, f32_to_words, mma_bf16,
+                                           stream_words, store_words, without_negative_zero)
+from jax_kimik3.mailbox import MailboxLayout
+
+ROWS = 16  # rows of w per CTA: the mma's M
+TOKENS = 8  # tokens per B tile: the mma's N
+WARPS = 4  # warps per CTA, each over K / WARPS
+STEP = 4 * VECTOR  # k per warp step: 4 lanes x 16 bytes, two mma k-blocks
+UNROLL = 6  # warp steps in flight (divides K / (WARPS·STEP) for every TP of 1..16)
+MAX_BATCH = 64
+
+
+class Publish(NamedTuple):
+    """Where the rows go: the mailbox slots of `parity` (one-shot, or two-shot owners)."""
+
+    layout: MailboxLayout
+    parity: int
+    two_shot: bool
+    multicast: bool
+
+
+class OprojProducer:
+    """bf16(x @ w.T) for one (B, K, N); rows out ([B, N]) or published (`publish`)."""
+
+    def __init__(self, batch: int, k: int, n: int, publish: Publish | None):
+        if k % (WARPS * STEP) or n % ROWS or not 1 <= batch <= MAX_BATCH:
+            raise ValueError(f"o_proj producer: K={k} must be a multiple of {WARPS * STEP}, "
+                             f"N={n} of {ROWS}, and B={batch} in [1, {MAX_BATCH}]")
+        self.batch, self.k, self.n, self.publish = batch, k, n, publish
+        self.tiles = (batch + TOKENS - 1) // TOKENS
+
+    @property
+    def smem_bytes(self) -> int:
+        """Each warp's accumulators, then the CTA's [tiles·8, 16] fp32 tile."""
+        return 4 * (WARPS + 1) * self.tiles * TOKENS * ROWS + 64
+
+    @cute.jit
+    def __call__(self, stream, x: cute.Tensor, w: cute.Tensor, table, rank, after,
+                 out: cute.Tensor):
+        self.kernel(x, w, table, rank, out).launch(
+            grid=[self.n // ROWS, 1, 1], block=[WARPS * WARP, 1, 1], smem=self.smem_bytes,
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, table, rank_t, out: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        g, t = lane // 4, lane % 4
+        tiles, k = self.tiles, self.k
+        row0 = block * ROWS
+        k0 = warp * (k // WARPS) + t * VECTOR  # this lane's first k
+        w_at = Int64(w.iterator.toint()) + (Int64(row0 + g) * k + k0) * 2
+        x_at = Int64(x.iterator.toint()) + Int64(k0) * 2
+        x_rows = [Int64(cutlass.min(j * TOKENS + g, self.batch - 1)) * (k * 2)
+                  for j in range(tiles)]
+        acc = cute.make_rmem_tensor(4 * tiles, Float32)
+        acc.fill(0.0)
+        for step in cutlass.range(k // (WARPS * STEP), unroll=UNROLL):
+            offset = Int64(step * STEP * 2)
+            a = stream_words(w_at + offset)  # row g
+            b = stream_words(w_at + offset + 8 * k * 2)  # row g + 8
+            for j in cutlass.range_constexpr(tiles):
+                xs = stream_words(x_at + x_rows[j] + offset)
+                for half in cutlass.range_constexpr(2):
+                    d = mma_bf16([a[2 * half], b[2 * half], a[2 * half + 1], b[2 * half + 1]],
+                                 [xs[2 * half], xs[2 * half + 1]],
+                                 [acc[4 * j + i] for i in range(4)])
+                    for i in cutlass.range_constexpr(4):
+                        acc[4 * j + i] = d[i]
+
+        smem = cutlass.memory.SmemAllocator()
+        partial = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 4 * tiles, WARP),
+                                                                 stride=(4 * tiles * WARP, WARP, 1)),
+                                       byte_alignment=16)
+        tile = smem.allocate_tensor(Float32, cute.make_layout((tiles * TOKENS, ROWS),
+                                                              stride=(ROWS, 1)),
+                                    byte_alignment=16)
+        for e in cutlass.range_constexpr(4 * tiles):
+            partial[warp, e, lane] = acc[e]
+        cute.arch.barrier()
+        # Sum the warps in order; element (j, i) of lane (g, t) is row g + 8·(i // 2), token
+        # 8j + 2t + i % 2.
+        for item in cutlass.range(tidx, 4 * tiles * WARP, WARPS * WARP):
+            e, l = item // WARP, item % WARP
+            total = partial[0, e, l]
+            for q in cutlass.range_constexpr(1, WARPS):
+                total = total + partial[q, e, l]
+            j, i = e // 4, e % 4
+            tile[j * TOKENS + 2 * (l % 4) + i % 2, l // 4 + 8 * (i // 2)] = total
+        cute.arch.barrier()
+        if tidx < 2 * self.batch:  # two 8-row vectors per token
+            token, half = tidx // 2, tidx % 2
+            words = f32_to_words([tile[token, half * VECTOR + e] for e in range(VECTOR)])
+            vec = block * (ROWS // VECTOR) + half
+            if cutlass.const_expr(self.publish is None):
+                store_words(Int64(out.iterator.toint()) + Int64(token) * (self.n * 2)
+                            + Int64(vec) * VECTOR_BYTES, words)
+            else:
+                p = self.publish
+                publish_words(without_negative_zero(words), table, rank_t[0], token, vec,
+                              layout=p.layout, parity=p.parity, two_shot=p.two_shot,
+                              multicast=p.multicast)
+        if cutlass.const_expr(self.publish is not None):
+            if tidx + block == 0:
+                out[0] = Int32(1)
+
+
+@functools.cache
+def _producer(batch, k, n, publish):
+    return OprojProducer(batch, k, n, publish)
+
+
+def project(x, w, into=None):
+    """bf16(x @ w.T) [B, N] on the producer kernel: x [B, K], w [N, K] bf16. `into`: a [B, N]
+    buffer written in place (the GPU tests pass a poisoned one)."""
+    b, k = x.shape
+    n = w.shape[0]
+    return cutlass_call(_producer(b, k, n, None),
+                        output_shape_dtype=jax.ShapeDtypeStruct((b, n), jnp.bfloat16),
+                        input_output_aliases={} if into is None else {4: 0})(
+        x, w, None, None, into)
+
+
+def produce(x, w, table, rank, *, layout, parity, two_shot=False, multicast=False, after=None):
+    """This rank's o_proj rows bf16(x @ w.T), published into the mailbox slots at `parity`;
+    returns the int32 [1] token (as `lamport.publish`)."""
+    b, k = x.shape
+    publish = Publish(layout, parity, two_shot, multicast)
+    return cutlass_call(_producer(b, k, w.shape[0], publish),
+                        output_shape_dtype=jax.ShapeDtypeStruct((1,), jnp.int32))(
+        x, w, table, rank, x if after is None else after)
