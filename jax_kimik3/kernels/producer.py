@@ -27,15 +27,16 @@ from cutlass import Float32, Int32, Int64
 from cutlass.jax import cutlass_call
 
 from jax_kimik3.kernels.lamport import publish_words
-from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, f32_to_words, mma_bf16,
-                                           stream_words, store_words, without_negative_zero)
+from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, f32_to_words, load_words,
+                                           mma_bf16, stream_words, store_words,
+                                           without_negative_zero)
 from jax_kimik3.mailbox import MailboxLayout
 
 ROWS = 16  # rows of w per CTA: the mma's M
 TOKENS = 8  # tokens per B tile: the mma's N
-WARPS = 4  # warps per CTA, each over K / WARPS
+WARPS = 8  # warps per CTA, each over K / WARPS
 STEP = 4 * VECTOR  # k per warp step: 4 lanes x 16 bytes, two mma k-blocks
-UNROLL = 6  # warp steps in flight (divides K / (WARPS·STEP) for every TP of 1..16)
+UNROLL = 6  # warp steps in flight
 MAX_BATCH = 64
 
 
@@ -90,7 +91,7 @@ class OprojProducer:
             a = stream_words(w_at + offset)  # row g
             b = stream_words(w_at + offset + 8 * k * 2)  # row g + 8
             for j in cutlass.range_constexpr(tiles):
-                xs = stream_words(x_at + x_rows[j] + offset)
+                xs = load_words(x_at + x_rows[j] + offset)  # through L1: every CTA reads x
                 for half in cutlass.range_constexpr(2):
                     d = mma_bf16([a[2 * half], b[2 * half], a[2 * half + 1], b[2 * half + 1]],
                                  [xs[2 * half], xs[2 * half + 1]],
@@ -147,8 +148,8 @@ def project(x, w, into=None):
     n = w.shape[0]
     return cutlass_call(_producer(b, k, n, None),
                         output_shape_dtype=jax.ShapeDtypeStruct((b, n), jnp.bfloat16),
-                        input_output_aliases={} if into is None else {4: 0})(
-        x, w, None, None, into)
+                        input_output_aliases={} if into is None else {5: 0})(
+        x, w, None, None, None, *([] if into is None else [into]))
 
 
 def produce(x, w, table, rank, *, layout, parity, two_shot=False, multicast=False, after=None):
