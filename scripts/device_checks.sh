@@ -2,7 +2,8 @@
 # Every GPU check and benchmark of the project, in one call on a device machine:
 #   device run (carry [".device"]):  bash scripts/device_checks.sh [TARGETS] [pytest args]
 # TARGETS: comma-separated, of tests, bench (every benchmark), bench_<name>, decode; all (the
-# default) is every one. Extra arguments go to pytest, e.g. -k lamport. With several GPUs the
+# default) is every one. Extra arguments go to pytest, e.g. -k lamport; $BENCH_ARGS to the
+# benchmarks, e.g. BENCH_ARGS="--parts tail". With several GPUs the
 # mesh tests run and the all-reduce and layer benchmarks use a real TP mesh.
 # Needs .device/cutedsl.tar.xz (../shared/device/make-cutedsl-bundle). Logs and results go
 # to $OUT; the last lines printed are a short summary.
@@ -23,7 +24,7 @@ if wants tests; then
 fi
 for bench in attn_res all_reduce layer; do
   if wants "bench_$bench"; then
-    python3 "examples/bench_$bench.py" --out "$OUT" > "$OUT/bench_$bench.log" 2>&1
+    python3 "examples/bench_$bench.py" --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench_$bench.log" 2>&1
     summary+=("bench_$bench: exit $?")
     grep -h -A40 "^|" "$OUT"/bench_"$bench"*.md 2>/dev/null || tail -n 20 "$OUT/bench_$bench.log"
   fi

@@ -68,3 +68,19 @@ def test_ptx_streams_weights_into_mma(tmp_path):
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert "ld.global.nc.L1::no_allocate.L2::256B.v4.u32" in ptx
     assert "st.global.v4.u32" in ptx
+
+
+@pytest.mark.parametrize("b,tp,producer_kernel", [(8, 8, True), (1, 16, True), (64, 8, False),
+                                                  (8, 1, False), (1, 2, False)])
+def test_tail_takes_the_measured_variant(b, tp, producer_kernel):
+    """tuning.PRODUCER_BATCHES decides: the producer kernel (no XLA dot) or XLA's dot + publish."""
+    from jax_kimik3.kernels import oproj
+    from jax_kimik3.tuning import use_producer
+    assert use_producer(b, K_TOTAL // tp) == producer_kernel
+
+    def f(x, w, table, rank):
+        return oproj.produce(x, w, table, rank, layout=MailboxLayout(tp), parity=0)
+    text = lower_for_cuda(f, spec(b, K_TOTAL // tp), spec(H, K_TOTAL // tp),
+                          spec(tp + 1, 2, dtype=jnp.uint32), spec(1, dtype=jnp.int32))
+    assert text.count(CUSTOM_CALL) == 1
+    assert ("dot_general" in text) != producer_kernel

@@ -1,7 +1,8 @@
 """The post-attention tail on kernels: the o_proj producer, then the AttnRes consumer.
 
-1. producer (kernels/producer.py): this rank's o_proj rows bf16(x @ w.T), published straight
-   from the GEMM into slot `rank` of every rank's mailbox (one-shot);
+1. producer: this rank's o_proj rows bf16(x @ w.T) into slot `rank` of every rank's mailbox
+   (one-shot): the producer kernel (kernels/producer.py, published straight from the GEMM)
+   where `tuning.use_producer` says it wins, else XLA's dot and the Lamport publish kernel;
 2. consumer (kernels/attn_res.py with a ring input): polls this rank's T slots, sums them in
    rank order, re-arms them and runs the post-attention AttnRes on the result.
 """
@@ -10,16 +11,25 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax_kimik3 import reference, tuning
 from jax_kimik3.kernels import attn_res as attn_res_kernels
 from jax_kimik3.kernels import lamport, producer
+
+
+def produce(x, w, table, rank, *, layout, parity, multicast=False):
+    """This rank's o_proj rows published at `parity` by the faster variant; its token."""
+    if tuning.use_producer(*x.shape):
+        return producer.produce(x, w, table, rank, layout=layout, parity=parity,
+                                multicast=multicast)
+    return lamport.publish(reference.oproj_partial(x, w), table, rank, layout=layout,
+                           parity=parity, multicast=multicast)
 
 
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, rank,
                    layout, parity, num_blocks, has_delta, eps, out_eps, multicast=False,
                    max_spins=lamport.MAX_SPINS):
     """One rank's post-attention tail through the mailbox: (out, new_prefix, new_blocks)."""
-    token = producer.produce(x, w, table, rank, layout=layout, parity=parity,
-                             multicast=multicast)
+    token = produce(x, w, table, rank, layout=layout, parity=parity, multicast=multicast)
     ring = attn_res_kernels.Ring(layout, parity, max_spins, has_delta, table, rank, token)
     return attn_res_kernels.attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                                      num_blocks=num_blocks, delta=None, write_idx=-1, eps=eps,
@@ -33,8 +43,8 @@ def tail_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, ta
     [T, B, H] each."""
     tp = x.shape[0]
     ranks = [jnp.full((1,), r, jnp.int32) for r in range(tp)]
-    tokens = jnp.concatenate([producer.produce(x[r], w[r], table, ranks[r], layout=layout,
-                                               parity=parity) for r in range(tp)])
+    tokens = jnp.concatenate([produce(x[r], w[r], table, ranks[r], layout=layout, parity=parity)
+                              for r in range(tp)])
     results = [attn_res_kernels.attn_res(
         prefix, blocks, res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks, delta=None,
         write_idx=-1, eps=eps, out_eps=out_eps, stats=None,
