@@ -88,7 +88,12 @@ def test_tail_on_mesh(rng, mesh, mailbox, b, has_delta):
         for r in range(mailbox.tp):
             np.testing.assert_array_equal(out[r].view(np.uint16), out[0].view(np.uint16))
             np.testing.assert_array_equal(prefix[r].view(np.uint16), prefix[0].view(np.uint16))
-            oracle.assert_bf16_close(out[r], want_out[r].astype(np.float64), f"rank {r} out")
+            # The two paths' attn_out may round one bf16 ulp apart (other fp32 dot orders), and
+            # each out rounds once: rows agree to a bf16 ulp in norm (the model check below
+            # is the element-wise one, on the kernels' own attn_out).
+            diff = np.linalg.norm(oracle.f64(out[r]) - oracle.f64(want_out[r]), axis=-1)
+            assert (diff <= oracle.BF16_RTOL
+                    * np.linalg.norm(oracle.f64(want_out[r]), axis=-1)).all(), f"rank {r}"
         oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=mailbox.tp, num_blocks=5,
                                  has_delta=has_delta)
     mailbox.check()
