@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -47,6 +48,8 @@ def parse_args(argv=None):
     parser.add_argument("--batches", default="1,2,8,16,64")
     parser.add_argument("--tps", default="1,2,4,8,16", help="oproj part: K = 12288 / TP")
     parser.add_argument("--sets", type=int, default=4, help="input sets (two layers each)")
+    parser.add_argument("--plot", nargs="+", metavar="JSON",
+                        help="only draw bench_layer.png in --out from these recorded results")
     parser.add_argument("--reference-only", action="store_true",
                         help="time the reference alone and print JSON (the child process)")
     parser.add_argument("--out", default=".")
@@ -137,8 +140,49 @@ def xla_one_shot_times(args):
     return {int(b): t["reference"] for b, t in json.loads(child.stdout.splitlines()[-1]).items()}
 
 
+def plot(out, results):
+    """bench_layer.png: o_proj share of copy bandwidth per B (producer, XLA's dot) for each K,
+    and the tail's µs per B (kernels, reference) for each TP. `results`: loaded JSON records."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for record in results:
+        rows, meta = record["rows"], record["meta"]
+        if "producer_us" in rows[0]:
+            for i, k in enumerate(sorted({r["k"] for r in rows})):
+                mine = [r for r in rows if r["k"] == k]
+                batches = [r["batch"] for r in mine]
+                left.plot(batches, [r["of_copy"] for r in mine], "o-", color=f"C{i}",
+                          label=f"producer K={k}")
+                left.plot(batches, [r["of_copy"] * r["producer_us"] / r["xla_dot_us"]
+                                    for r in mine], "x--", color=f"C{i}", label=f"XLA dot K={k}")
+        else:
+            tp = rows[0]["tp"]
+            batches = [r["batch"] for r in rows]
+            right.plot(batches, [r["kernel_us"] for r in rows], "o-", label=f"kernels TP{tp}")
+            right.plot(batches, [r["reference_us"] for r in rows], "x--",
+                       label=f"reference TP{tp}")
+    left.set(xscale="log", xlabel="B (tokens per rank)", ylabel="share of copy bandwidth",
+             title="o_proj, one rank's [7168, K] weight")
+    right.set(xscale="log", xlabel="B (tokens per rank)", ylabel="µs per layer",
+              title="post-attention tail (o_proj + all-reduce + AttnRes)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{meta['gpu']}, {meta['date']}, jax {meta['jax']}")
+    fig.tight_layout()
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "bench_layer.png", dpi=110)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot:
+        plot(args.out, [json.loads(pathlib.Path(p).read_text()) for p in args.plot])
+        return
     if jax.default_backend() != "gpu":
         sys.exit("bench_layer needs a GPU")
     if args.reference_only:
@@ -170,6 +214,11 @@ def main(argv=None):
                          ("reference µs", "{reference_us:.2f}"),
                          ("reference + XLA one-shot µs", "{reference_one_shot_us:.2f}"),
                          ("speedup", "{speedup:.2f}x"), ("o_proj floor µs", "{floor_us:.2f}")])
+    try:
+        plot(args.out, [json.loads(p.read_text())
+                        for p in sorted(pathlib.Path(args.out).glob("bench_layer_*.json"))])
+    except ImportError:
+        print("matplotlib is not installed: no bench_layer.png", file=sys.stderr)
 
 if __name__ == "__main__":
     main()
