@@ -9,6 +9,11 @@ step runs the reference; on GPUs it runs the kernels, the all-reduce through pee
 (parity alternating by layer), and `--check` compares its output with the reference step.
 
     python examples/decode_loop.py --layers 4 --batch 8 --steps 5
+
+Ahead of time: `--export step.bin` writes the kernel step for CUDA (`jax.export`; this works
+on a CPU host too: the kernels compile for sm_90a there) and stops; `--load step.bin` runs
+that artifact instead of tracing the step, on GPUs, without compiling a kernel (and without
+the CuTe DSL: see jax_kimik3/aot.py).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ def parse_args(argv=None):
                         help="auto: kernels on a GPU, the reference elsewhere")
     parser.add_argument("--check", action="store_true",
                         help="also run the reference step and compare (kernel runs)")
+    parser.add_argument("--export", metavar="FILE", help="write the kernel step for CUDA, stop")
+    parser.add_argument("--load", metavar="FILE", help="run the step exported to FILE")
     return parser.parse_args(argv)
 
 
@@ -85,8 +92,9 @@ def param_specs(params):
     return jax.tree.map(lambda a: P(None, "tp") if a.shape == (H, K) else P(), params)
 
 
-def decode_step(params, embedding, blocks, *, num_layers, backend, mailbox):
-    """One decode step through `num_layers` layers and the final AttnRes (inside shard_map)."""
+def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbox):
+    """One decode step through `num_layers` layers and the final AttnRes (inside shard_map);
+    `mailbox` is a MailboxSpec (kernels) or None, `table` its peer table operand."""
     prefix, delta = embedding, None
     for i in range(num_layers):
         plan, layer = CFG.layer(i), params["layers"][i]
@@ -98,7 +106,7 @@ def decode_step(params, embedding, blocks, *, num_layers, backend, mailbox):
         hidden, prefix, blocks = k3.oproj_attn_res(
             x, layer["o_proj"], prefix, blocks, *(layer["post"][n] for n in NORMS),
             axis_name="tp", num_blocks=post.num_blocks, has_delta=post.has_delta,
-            mailbox=mailbox, parity=plan.parity, backend=backend)
+            mailbox=mailbox, parity=plan.parity, peer_table=table, backend=backend)
         delta = jnp.dot(hidden, params["mlp"]).astype(jnp.bfloat16)
     final = CFG.final(num_layers)
     out, _, _ = k3.attn_res(prefix, blocks, *(params["final"][n] for n in NORMS),
@@ -107,10 +115,29 @@ def decode_step(params, embedding, blocks, *, num_layers, backend, mailbox):
 
 
 def make_step(mesh, params, num_layers, backend, mailbox):
+    """The jitted step(params, embedding, blocks, table) -> (out, blocks) on `mesh`."""
     return jax.jit(jax.shard_map(
-        lambda p, e, b: decode_step(p, e, b, num_layers=num_layers, backend=backend,
-                                    mailbox=mailbox),
-        mesh=mesh, in_specs=(param_specs(params), P(), P()), out_specs=(P(), P())))
+        lambda p, e, b, t: decode_step(p, e, b, t, num_layers=num_layers, backend=backend,
+                                       mailbox=mailbox),
+        mesh=mesh, in_specs=(param_specs(params), P(), P(), P()), out_specs=(P(), P())))
+
+
+def export_step(path, mesh, params, embedding, blocks, num_layers):
+    """Write the kernel step for CUDA to `path`, the peer table an operand."""
+    from jax_kimik3 import aot
+
+    spec = k3.MailboxSpec(k3.MailboxLayout(mesh.size))
+    step = make_step(mesh, params, num_layers, "kernel", spec)
+    table = jax.ShapeDtypeStruct((mesh.size + 1, 2), jnp.uint32,
+                                 sharding=NamedSharding(mesh, P()))
+    exported = aot.export(step, params, embedding, blocks, table)
+    data = exported.serialize()
+    with open(path, "wb") as f:
+        f.write(data)
+    kernels = exported.mlir_module().count(f"custom_call @{aot.FFI_TARGET}")
+    print(f"exported the {num_layers}-layer kernel step for {exported.nr_devices} CUDA devices "
+          f"({kernels} kernel custom calls, each carrying its kernel): "
+          f"{len(data) / 2**10:.0f} KiB to {path}")
 
 
 def main(args=ARGS):
@@ -126,22 +153,33 @@ def main(args=ARGS):
     embeddings = (0.05 * rows).astype(jnp.bfloat16)  # one fresh token row set per step
     blocks = jnp.zeros((args.batch, NB, H), jnp.bfloat16)
 
+    if args.export:
+        return export_step(args.export, mesh, params, embeddings[0], blocks, args.layers)
     on_gpu = jax.devices()[0].platform == "gpu"
-    kernels = args.backend == "kernel" or (args.backend == "auto" and on_gpu)
+    kernels = args.load or args.backend == "kernel" or (args.backend == "auto" and on_gpu)
     if kernels and not on_gpu:
-        raise ValueError("--backend=kernel needs GPUs (the mailbox lives in GPU memory)")
+        raise ValueError("kernel steps need GPUs (the mailbox lives in GPU memory)")
     mailbox = k3.Mailbox.for_devices(mesh.devices.flat) if kernels else None
-    step = make_step(mesh, params, args.layers, args.backend, mailbox)
-    out, _ = step(params, embeddings[0], blocks)  # compile and warm up
+    table = None if mailbox is None else jax.device_put(mailbox.peer_table,
+                                                        NamedSharding(mesh, P()))
+    if args.load:
+        from jax_kimik3 import aot
+
+        with open(args.load, "rb") as f:
+            step = aot.load(f.read()).call
+    else:
+        step = make_step(mesh, params, args.layers, args.backend,
+                         None if mailbox is None else mailbox.spec)
+    out, _ = step(params, embeddings[0], blocks, table)  # compile and warm up
     out.block_until_ready()
     times, checksum = [], 0.0
     for s in range(1, args.steps + 1):
         start = time.perf_counter()
-        out, _ = step(params, embeddings[s], blocks)
+        out, _ = step(params, embeddings[s], blocks, table)
         out.block_until_ready()
         times.append(time.perf_counter() - start)
         checksum += float(jnp.sum(out.astype(jnp.float32)))
-    path = "kernels" if kernels else "reference"
+    path = ("exported kernels" if args.load else "kernels") if kernels else "reference"
     print(f"decode step: {args.layers} layers, batch {args.batch}, TP {tp} on "
           f"{jax.devices()[0].platform} ({path}): median {1e3 * np.median(times):.2f} ms over "
           f"{args.steps} steps")
@@ -150,7 +188,7 @@ def main(args=ARGS):
         mailbox.check()
         if args.check:
             want, _ = make_step(mesh, params, args.layers, "reference", None)(
-                params, embeddings[args.steps], blocks)
+                params, embeddings[args.steps], blocks, None)
             got, want = (np.asarray(a, np.float32) for a in (out, want))
             # Kernels and reference sum in other orders, so an AttnRes output element may land
             # one bf16 ulp (2**-8 relative) apart; each layer can add that much again.

@@ -3,7 +3,7 @@
 from jax_kimik3.api import (all_reduce, all_reduce_virtual, attn_res, attn_res_statistics,
                             oproj_attn_res)
 from jax_kimik3.config import KIMI_K3, CallSite, KimiK3Config, LayerPlan
-from jax_kimik3.mailbox import Mailbox, MailboxLayout
+from jax_kimik3.mailbox import Mailbox, MailboxLayout, MailboxSpec
 
 __all__ = [
     "KIMI_K3",
@@ -12,6 +12,7 @@ __all__ = [
     "LayerPlan",
     "Mailbox",
     "MailboxLayout",
+    "MailboxSpec",
     "all_reduce",
     "all_reduce_virtual",
     "attn_res",

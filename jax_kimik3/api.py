@@ -13,6 +13,11 @@ from jax_kimik3.validation import (Checker, check_attn_res, check_backend, check
                                    check_mailbox_rows, check_weights)
 
 
+def _table(mailbox, peer_table):
+    """The peer table operand: `peer_table`, or the live mailbox's own as a constant."""
+    return jnp.asarray(mailbox.peer_table) if peer_table is None else peer_table
+
+
 def _kernels():
     """The kernel family, imported on first use (the CuTe DSL takes a while to load)."""
     from jax_kimik3.kernels import attn_res as kernels
@@ -61,15 +66,16 @@ def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps=1e-5,
                                              "out_eps", "mailbox", "parity", "backend"))
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
                    num_blocks, has_delta, eps=1e-5, out_eps=1e-5, mailbox=None, parity=0,
-                   backend: Backend = "auto"):
+                   peer_table=None, backend: Backend = "auto"):
     """Row-parallel o_proj, its all-reduce over `axis_name`, then the post-attention AttnRes.
 
     Call inside `shard_map`: x [B, K_local] and w [H, K_local] are this rank's shards.
     Returns (out, new_prefix, new_blocks); without `has_delta` the new prefix is the reduced
     attn_out (a new block starts) and `prefix` is not read. With a `mailbox` (one buffer per
     rank of `axis_name`) and `parity` (layer % 2) the all-reduce and AttnRes run as kernels:
-    a Lamport publish, then an AttnRes kernel that sums the mailbox slots; without one, XLA's
-    psum and the reference.
+    the o_proj producer publishes, then an AttnRes kernel sums the mailbox slots; without one,
+    XLA's dot, psum and the reference. `mailbox` may be a `MailboxSpec` with the peer table
+    passed as the `peer_table` operand (for steps exported or compiled ahead of time).
     """
     check = Checker("oproj_attn_res")
     rows = check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
@@ -78,7 +84,7 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
         check.array("w", w, (rows[1], x.shape[1]), jnp.bfloat16)
     check_backend(check, backend)
     if mailbox is not None:
-        check_mailbox_rows(check, prefix, "prefix", mailbox, parity, axis_name)
+        check_mailbox_rows(check, prefix, "prefix", mailbox, parity, axis_name, peer_table)
     elif backend == "kernel":
         check.fail("backend='kernel' needs mailbox= (the all-reduce's peer buffers)")
     check.done()
@@ -88,8 +94,8 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
         rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
         return oproj.oproj_attn_res(
             x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-            table=jnp.asarray(mailbox.peer_table), rank=rank, layout=mailbox.layout,
-            parity=parity, num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
+            table=_table(mailbox, peer_table), rank=rank, layout=mailbox.layout, parity=parity,
+            num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
             multicast=mailbox.multicast)
     return reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                                     axis_name=axis_name, num_blocks=num_blocks,
@@ -98,20 +104,22 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
 
 @functools.partial(jax.jit, static_argnames=("mailbox", "axis_name", "parity", "two_shot",
                                              "max_spins"))
-def all_reduce(rows, mailbox, *, axis_name, parity, two_shot=False, max_spins=None):
+def all_reduce(rows, mailbox, *, axis_name, parity, two_shot=False, max_spins=None,
+               peer_table=None):
     """Sum of every TP rank's bf16 rows [B, H] through `mailbox`'s Lamport slots (in shard_map).
 
     One-shot: each rank receives every peer's rows; two-shot: each rank reduces the H/TP columns
     it owns and sends them back. Every rank gets bitwise-identical rows (fp32 sums in rank
-    order). `parity` alternates by layer; `max_spins` bounds each poll (see kernels.lamport).
+    order). `parity` alternates by layer; `max_spins` bounds each poll (see kernels.lamport);
+    `peer_table` as in `oproj_attn_res`.
     """
     from jax_kimik3.kernels import lamport
 
     check = Checker("all_reduce")
-    check_mailbox_rows(check, rows, "rows", mailbox, parity, axis_name)
+    check_mailbox_rows(check, rows, "rows", mailbox, parity, axis_name, peer_table)
     check.done()
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-    return lamport.all_reduce(rows, jnp.asarray(mailbox.peer_table), rank, layout=mailbox.layout,
+    return lamport.all_reduce(rows, _table(mailbox, peer_table), rank, layout=mailbox.layout,
                               parity=parity, two_shot=two_shot, multicast=mailbox.multicast,
                               max_spins=max_spins or lamport.MAX_SPINS)
 

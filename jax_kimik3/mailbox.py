@@ -103,6 +103,20 @@ class MailboxLayout:
         return self.status + _ALIGN
 
 
+@dataclasses.dataclass(frozen=True)
+class MailboxSpec:
+    """What a traced step needs to know of a mailbox, without its memory: the layout and
+    whether it is multicast. With it, the peer table travels as an operand (`peer_table=`),
+    so a compiled or exported step is not tied to one process's buffer addresses."""
+
+    layout: MailboxLayout
+    multicast: bool = False
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+
 def refuse_multicast(environ=os.environ):
     """Raise if the environment disables NVLink multicast (the shared test machines do)."""
     for name, off in MULTICAST_OFF.items():
@@ -176,6 +190,11 @@ class Mailbox:
     @property
     def tp(self) -> int:
         return self.layout.tp
+
+    @property
+    def spec(self) -> MailboxSpec:
+        """This mailbox's spec, for steps that take the peer table as an operand."""
+        return MailboxSpec(self.layout, self.multicast)
 
     def _access(self):
         """Read-write access descriptors for every device of the mesh."""

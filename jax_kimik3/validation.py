@@ -104,8 +104,9 @@ def check_backend(check, backend):
         check.fail(f"backend={backend!r} must be one of {BACKENDS}")
 
 
-def check_mailbox_rows(check, rows, name, mailbox, parity, axis_name=None):
-    """Rows that fit the mailbox, a parity, and (in shard_map) one rank per mailbox buffer."""
+def check_mailbox_rows(check, rows, name, mailbox, parity, axis_name=None, peer_table=None):
+    """Rows that fit the mailbox, a parity, (in shard_map) one rank per mailbox buffer, and a
+    peer table: `peer_table` if given (uint32 [T + 1, 2]), else the mailbox's own."""
     layout = mailbox.layout
     if check.array(name, rows, (None, layout.hidden), jnp.bfloat16):
         check.batch(name, rows.shape[0], layout.capacity)
@@ -114,3 +115,8 @@ def check_mailbox_rows(check, rows, name, mailbox, parity, axis_name=None):
     if axis_name is not None and jax.lax.axis_size(axis_name) != mailbox.tp:
         check.fail(f"axis {axis_name!r} has {jax.lax.axis_size(axis_name)} ranks; the mailbox "
                    f"has tp={mailbox.tp}")
+    if peer_table is not None:
+        check.array("peer_table", peer_table, (mailbox.tp + 1, 2), jnp.uint32)
+    elif getattr(mailbox, "peer_table", None) is None:
+        check.fail(f"mailbox={mailbox!r} has no memory: pass its peer_table= (uint32 "
+                   f"[{mailbox.tp + 1}, 2], Mailbox.peer_table of the live mailbox)")
