@@ -54,7 +54,6 @@ import jax_kimik3 as k3  # noqa: E402
 
 CFG = k3.KIMI_K3
 H, K, NB = CFG.hidden_size, CFG.o_proj_in_features, CFG.num_attn_res_blocks
-NORMS = ("res_norm_w", "res_proj_w", "out_norm_w")
 
 
 def init_params(key, mesh, num_layers):
@@ -69,9 +68,9 @@ def init_params(key, mesh, num_layers):
 
     def site(key):
         g, w, o = jax.random.split(key, 3)
-        return {"res_norm_w": 1 + normal(g, (H,), 0.2, whole),
-                "res_proj_w": normal(w, (H,), 4.0 / np.sqrt(H), whole),
-                "out_norm_w": 1 + normal(o, (H,), 0.2, whole)}
+        return k3.AttnResWeights(res_norm_w=1 + normal(g, (H,), 0.2, whole),
+                                 res_proj_w=normal(w, (H,), 4.0 / np.sqrt(H), whole),
+                                 out_norm_w=1 + normal(o, (H,), 0.2, whole))
 
     keys = jax.random.split(key, 4 + 3 * num_layers)
     layers = []
@@ -97,20 +96,15 @@ def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbo
     `mailbox` is a MailboxSpec (kernels) or None, `table` its peer table operand."""
     prefix, delta = embedding, None
     for i in range(num_layers):
-        plan, layer = CFG.layer(i), params["layers"][i]
-        pre, post = plan.pre_attention, plan.post_attention
-        hidden, prefix, blocks = k3.attn_res(
-            prefix, blocks, *(layer["pre"][n] for n in NORMS), num_blocks=pre.num_blocks,
-            delta=delta, write_idx=pre.write_idx, backend=backend)
+        tail = k3.AttentionTail(CFG.layer(i), axis_name="tp", mailbox=mailbox, backend=backend)
+        layer = params["layers"][i]
+        hidden, prefix, blocks = tail.pre_attention(layer["pre"], prefix, blocks, delta)
         x = jnp.dot(hidden, params["attention"]).astype(jnp.bfloat16)  # this rank's heads
-        hidden, prefix, blocks = k3.oproj_attn_res(
-            x, layer["o_proj"], prefix, blocks, *(layer["post"][n] for n in NORMS),
-            axis_name="tp", num_blocks=post.num_blocks, has_delta=post.has_delta,
-            mailbox=mailbox, parity=plan.parity, peer_table=table, backend=backend)
+        hidden, prefix, blocks = tail.post_attention(layer["post"], x, layer["o_proj"], prefix,
+                                                     blocks, peer_table=table)
         delta = jnp.dot(hidden, params["mlp"]).astype(jnp.bfloat16)
-    final = CFG.final(num_layers)
-    out, _, _ = k3.attn_res(prefix, blocks, *(params["final"][n] for n in NORMS),
-                            num_blocks=final.num_blocks, delta=delta, backend=backend)
+    out = k3.final_attn_res(params["final"], prefix, blocks, delta, num_layers=num_layers,
+                            backend=backend)
     return out, blocks
 
 

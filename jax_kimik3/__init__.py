@@ -3,9 +3,12 @@
 from jax_kimik3.api import (all_reduce, all_reduce_virtual, attn_res, attn_res_statistics,
                             oproj_attn_res)
 from jax_kimik3.config import KIMI_K3, CallSite, KimiK3Config, LayerPlan
+from jax_kimik3.layer import AttentionTail, AttnResWeights, final_attn_res
 from jax_kimik3.mailbox import Mailbox, MailboxLayout, MailboxSpec
 
 __all__ = [
+    "AttentionTail",
+    "AttnResWeights",
     "KIMI_K3",
     "CallSite",
     "KimiK3Config",
@@ -17,5 +20,6 @@ __all__ = [
     "all_reduce_virtual",
     "attn_res",
     "attn_res_statistics",
+    "final_attn_res",
     "oproj_attn_res",
 ]

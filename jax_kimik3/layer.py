@@ -1,0 +1,75 @@
+"""One decoder layer's attention tail with its plan bound, for decode loops in jax.jit +
+shard_map: the pre-attention AttnRes, the post-attention tail (o_proj, all-reduce, AttnRes)
+and, after the last layer, the final AttnRes. The plan (config.LayerPlan) supplies each call
+site's saved-block count, delta, block write and mailbox parity; weights are operands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+
+from jax_kimik3 import api
+from jax_kimik3.backend import Backend
+from jax_kimik3.config import KIMI_K3, LayerPlan
+
+
+class AttnResWeights(NamedTuple):
+    """One call site's weights [H] bf16: `*_res_norm`, `*_res_proj` and the next sublayer's
+    norm (None: the call returns the mix). A pytree."""
+
+    res_norm_w: Any
+    res_proj_w: Any
+    out_norm_w: Any
+
+
+# Exported steps (jax_kimik3.aot) keep their argument pytrees: name this one for them.
+jax.export.register_namedtuple_serialization(AttnResWeights,
+                                             serialized_name="jax_kimik3.AttnResWeights")
+
+
+def _delta(site, delta):
+    if (delta is not None) != site.has_delta:
+        raise ValueError(f"{site.name}: delta={'None' if delta is None else 'an array'}, but "
+                         f"the plan says has_delta={site.has_delta}")
+    return delta
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTail:
+    """Decoder layer `plan.index`'s tail. `mailbox` (a Mailbox, or a MailboxSpec with the peer
+    table passed at call time) runs the all-reduce through peer mailboxes on the kernels; None
+    runs XLA's psum. Hashable: pass it as a static argument."""
+
+    plan: LayerPlan
+    axis_name: str = "tp"
+    mailbox: Any = None
+    backend: Backend = "auto"
+
+    def pre_attention(self, weights: AttnResWeights, prefix, blocks, delta=None):
+        """(attention input, new prefix, new blocks): the last MLP output `delta` (None at layer
+        0) joins the prefix, a block-write layer saves it, then the mix and input_layernorm."""
+        site = self.plan.pre_attention
+        return api.attn_res(prefix, blocks, *weights, num_blocks=site.num_blocks,
+                            delta=_delta(site, delta), write_idx=site.write_idx,
+                            backend=self.backend)
+
+    def post_attention(self, weights: AttnResWeights, x, o_proj, prefix, blocks,
+                       peer_table=None):
+        """(MLP input, new prefix, new blocks) from this rank's attention output x [B, K_local]
+        and o_proj shard [H, K_local]: o_proj, the all-reduce over `axis_name`, the mix."""
+        site = self.plan.post_attention
+        return api.oproj_attn_res(
+            x, o_proj, prefix, blocks, *weights, axis_name=self.axis_name,
+            num_blocks=site.num_blocks, has_delta=site.has_delta, mailbox=self.mailbox,
+            parity=self.plan.parity, peer_table=peer_table, backend=self.backend)
+
+
+def final_attn_res(weights: AttnResWeights, prefix, blocks, delta, *, num_layers=KIMI_K3.num_layers,
+          backend: Backend = "auto"):
+    """The AttnRes after the last of `num_layers` layers (model.norm as the output norm)."""
+    site = KIMI_K3.final(num_layers)
+    return api.attn_res(prefix, blocks, *weights, num_blocks=site.num_blocks,
+                        delta=_delta(site, delta), backend=backend)[0]

@@ -1,0 +1,63 @@
+"""CPU: AttentionTail applies each layer's plan (blocks, delta, block write, parity) to the
+public calls, against the float64 model."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_kimik3 as k3
+from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
+from tests import oracle
+
+NB = 8
+
+
+def weights(inp):
+    return k3.AttnResWeights(inp.res_norm_w, inp.res_proj_w, inp.out_norm_w)
+
+
+@pytest.mark.parametrize("index", [0, 12, 13, 92])
+def test_pre_attention_follows_the_plan(rng, index):
+    plan = k3.KIMI_K3.layer(index)
+    site = plan.pre_attention
+    inp = attn_res_inputs(rng, 4, NB)
+    delta = inp.delta if site.has_delta else None
+    out, prefix, blocks = k3.AttentionTail(plan).pre_attention(weights(inp), inp.prefix,
+                                                                inp.blocks, delta)
+    want_out, want_prefix, want_blocks = oracle.attn_res(
+        inp.prefix, inp.blocks, *weights(inp), num_blocks=site.num_blocks, delta=delta,
+        write_idx=site.write_idx)
+    np.testing.assert_array_equal(np.asarray(prefix), want_prefix)
+    np.testing.assert_array_equal(np.asarray(blocks), want_blocks)  # the write, if any
+    oracle.assert_bf16_close(out, want_out, "out")
+
+
+def test_delta_must_match_the_plan(rng):
+    inp = attn_res_inputs(rng, 2, NB)
+    tail = k3.AttentionTail(k3.KIMI_K3.layer(5))
+    with pytest.raises(ValueError, match="pre_attention: delta=None, but the plan says "
+                                         "has_delta=True"):
+        tail.pre_attention(weights(inp), inp.prefix, inp.blocks)
+    with pytest.raises(ValueError, match="final: delta=None"):
+        k3.final_attn_res(weights(inp), inp.prefix, inp.blocks, None, num_layers=5)
+
+
+@pytest.mark.parametrize("index", [0, 3])
+def test_post_attention_under_shard_map(rng, index):
+    """TP 2 on host devices: the plan's K and delta (layer 0 starts a block, 3 adds a delta)."""
+    plan, tp, b = k3.KIMI_K3.layer(index), 2, 4
+    site = plan.post_attention
+    inp = attn_res_inputs(rng, b, NB)
+    x, w = oproj_inputs(rng, b)
+    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    step = jax.jit(jax.shard_map(
+        functools.partial(k3.AttentionTail(plan).post_attention, weights(inp)),
+        mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp"), P(), P()), out_specs=P()))
+    out, prefix, blocks = step(x, w, inp.prefix, inp.blocks)
+    oracle.assert_tail_close(out, prefix, x, w, inp, tp=tp, num_blocks=site.num_blocks,
+                             has_delta=site.has_delta)
+    np.testing.assert_array_equal(np.asarray(blocks), inp.blocks)
