@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -30,10 +29,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax_kimik3 as k3  # noqa: E402
 import report  # noqa: E402
 from jax_kimik3 import reference  # noqa: E402
-from timing import time_per_call  # noqa: E402
+from timing import time_per_call, with_xla_one_shot  # noqa: E402
 
 H = k3.KIMI_K3.hidden_size
-XLA_ONE_SHOT = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
 
 
 def parse_args(argv=None):
@@ -84,24 +82,13 @@ def mesh_times(args):
     return times
 
 
-def xla_one_shot_times(args):
-    """psum's times in a child process started with XLA's one-shot all-reduce kernel."""
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {XLA_ONE_SHOT}")
-    child = subprocess.run([sys.executable, __file__, "--mode", "mesh", "--psum-only",
-                            "--batches", args.batches, "--sets", str(args.sets)],
-                           env=env, capture_output=True, text=True)
-    if child.returncode:
-        print(f"XLA one-shot run failed:\n{child.stderr[-2000:]}", file=sys.stderr)
-        return {}
-    return {int(b): t["psum"] for b, t in json.loads(child.stdout.splitlines()[-1]).items()}
-
-
 def mesh_mode(args):
     times = mesh_times(args)
     if args.psum_only:
         print(json.dumps(times))
         return
-    one_shot_xla = xla_one_shot_times(args)
+    one_shot_xla = with_xla_one_shot(__file__, ["--mode", "mesh", "--psum-only", "--batches",
+                                                 args.batches, "--sets", str(args.sets)], "psum")
     tp = len(jax.devices())
     rows = [dict(tp=tp, batch=b, one_shot_us=t["one_shot"], two_shot_us=t["two_shot"],
                  psum_us=t["psum"], xla_one_shot_us=one_shot_xla.get(b, float("nan")),

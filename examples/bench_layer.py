@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import jax
@@ -32,10 +31,9 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(__file__))
 import jax_kimik3 as k3  # noqa: E402
 import report  # noqa: E402
-from bench_all_reduce import XLA_ONE_SHOT  # noqa: E402
 from jax_kimik3 import reference  # noqa: E402
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs  # noqa: E402
-from timing import copy_bandwidth, time_per_call  # noqa: E402
+from timing import copy_bandwidth, time_per_call, with_xla_one_shot  # noqa: E402
 
 CFG = k3.KIMI_K3
 H, K_TOTAL, NB = CFG.hidden_size, CFG.o_proj_in_features, CFG.num_attn_res_blocks
@@ -128,18 +126,6 @@ def tail_times(args):
     return times
 
 
-def xla_one_shot_times(args):
-    """The reference tail's times in a child process with XLA's one-shot all-reduce kernel."""
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {XLA_ONE_SHOT}")
-    child = subprocess.run([sys.executable, __file__, "--reference-only", "--batches",
-                            args.batches, "--sets", str(args.sets)],
-                           env=env, capture_output=True, text=True)
-    if child.returncode:
-        print(f"XLA one-shot run failed:\n{child.stderr[-2000:]}", file=sys.stderr)
-        return {}
-    return {int(b): t["reference"] for b, t in json.loads(child.stdout.splitlines()[-1]).items()}
-
-
 def plot(out, results):
     """bench_layer.png: o_proj share of copy bandwidth per B (producer, XLA's dot) for each K,
     and the tail's µs per B (kernels, reference) for each TP. `results`: loaded JSON records."""
@@ -202,7 +188,9 @@ def main(argv=None):
     if "tail" in parts:
         times = tail_times(args)
         tp = len(jax.devices())
-        one_shot_xla = xla_one_shot_times(args) if tp > 1 else {}
+        one_shot_xla = with_xla_one_shot(__file__, [
+            "--reference-only", "--batches", args.batches, "--sets", str(args.sets)],
+            "reference") if tp > 1 else {}
         floor = 1e6 * H * (K_TOTAL // tp) * 2 / bandwidth  # this rank's weight, read once
         rows = [dict(tp=tp, batch=b, kernel_us=t["kernel"], reference_us=t["reference"],
                      reference_one_shot_us=one_shot_xla.get(b, float("nan")),

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+XLA_ONE_SHOT = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
 PAUSE_S = 0.002  # the host waits this long between runs of the chain ...
 GAP_US = 1000.0  # ... so an idle GPU gap this long separates two runs
 
@@ -84,3 +88,16 @@ def copy_bandwidth(size_bytes=512 << 20, count=8):
 
     per_call = time_per_call(step, x, [None] * count, repeats=5)
     return 2 * size_bytes / (per_call * 1e-6)
+
+
+def with_xla_one_shot(script, argv, column):
+    """{B: µs} of `column` from a child run of `script` (which prints {B: {column: µs}} as its
+    last line) in a process started with XLA's one-shot all-reduce kernel (XLA reads flags at
+    start-up); {} if the child fails."""
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {XLA_ONE_SHOT}")
+    child = subprocess.run([sys.executable, script, *argv], env=env, capture_output=True,
+                           text=True)
+    if child.returncode:
+        print(f"XLA one-shot run failed:\n{child.stderr[-2000:]}", file=sys.stderr)
+        return {}
+    return {int(b): t[column] for b, t in json.loads(child.stdout.splitlines()[-1]).items()}

@@ -12,19 +12,11 @@ import jax.numpy as jnp
 import pytest
 
 import jax_kimik3 as k3
+from tests.lowering import CUSTOM_CALL, lower_for_cuda, spec
 
 pytest.importorskip("cutlass")
 
 H, NB = 7168, 8
-CUSTOM_CALL = "CuteDSLRT_NvJaxCutlassCall"
-
-
-def spec(*shape, dtype=jnp.bfloat16):
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def lower_for_cuda(f, *args):
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 VARIANTS = [  # (K, delta, write, out norm, precomputed statistics)

@@ -5,25 +5,16 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import jax.numpy as jnp
 import pytest
 
 from jax_kimik3.mailbox import MailboxLayout
+from tests.lowering import CUSTOM_CALL, lower_for_cuda, spec
 
 pytest.importorskip("cutlass")
 from jax_kimik3.kernels import producer  # noqa: E402
 
 H, K_TOTAL = 7168, 12288
-CUSTOM_CALL = "CuteDSLRT_NvJaxCutlassCall"
-
-
-def spec(*shape, dtype=jnp.bfloat16):
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def lower_for_cuda(f, *args):
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("b", [1, 9, 64])
