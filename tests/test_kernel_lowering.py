@@ -1,18 +1,14 @@
 """CPU: every AttnRes kernel variant compiles for sm_90a and lowers to the cutlass_call custom call."""
 
 import itertools
-import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jax_kimik3 as k3
-from tests.lowering import CUSTOM_CALL, lower_for_cuda, spec
+from tests.lowering import CUSTOM_CALL, kept_ptx, lower_for_cuda, spec
 
 pytest.importorskip("cutlass")
 
@@ -83,18 +79,14 @@ def test_bad_backend_is_a_value_error():
 
 def test_ptx_is_hopper_cluster_code(tmp_path):
     """The kept PTX targets sm_90a and reduces across the cluster through DSMEM."""
-    script = textwrap.dedent(f"""
+    ptx = kept_ptx(f"""
         import jax, jax.numpy as jnp, jax_kimik3 as k3
         s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
         f = lambda p, d, bl, g, w, o: k3.attn_res(p, bl, g, w, o, num_blocks=3, delta=d,
                                                   backend="kernel")
         jax.jit(f).trace(s(4, {H}), s(4, {H}), s(4, {NB}, {H}), s({H}), s({H}), s({H})).lower(
             lowering_platforms=("cuda",))
-    """)
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
-    ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    """, tmp_path)
     assert ".target sm_90a" in ptx
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx

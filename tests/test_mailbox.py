@@ -2,9 +2,6 @@
 
 import dataclasses
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
+from tests.lowering import kept_ptx
 from jax_kimik3.mailbox import (MULTICAST_OFF, PARITIES, SENTINEL, Mailbox, MailboxLayout,
                                 peer_table, refuse_multicast)
 
@@ -182,10 +180,5 @@ f = jax.shard_map(functools.partial(k3.all_reduce, mailbox=box, axis_name="tp", 
                                     two_shot={two_shot}), mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
 jax.jit(f).trace(jax.ShapeDtypeStruct((32, 7168), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
 """
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300,
-                   cwd=os.path.dirname(os.path.dirname(__file__)))
-    ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    ptx = kept_ptx(script, tmp_path, devices=4)
     assert "multimem.st.relaxed.sys.global.v4.f32" in ptx

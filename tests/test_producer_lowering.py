@@ -1,15 +1,11 @@
 """CPU: the o_proj producer compiles for sm_90a at every TP's K and lowers to its custom call."""
 
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax.numpy as jnp
 import pytest
 
 from jax_kimik3.mailbox import MailboxLayout
-from tests.lowering import CUSTOM_CALL, lower_for_cuda, spec
+from tests.lowering import CUSTOM_CALL, kept_ptx, lower_for_cuda, spec
 
 pytest.importorskip("cutlass")
 from jax_kimik3.kernels import producer  # noqa: E402
@@ -43,18 +39,14 @@ def test_unsupported_shapes_are_refused(k, b):
 
 def test_ptx_streams_weights_into_mma(tmp_path):
     """Tensor-core mma.sync on bf16, weights through 16-byte streaming loads, rows through
-    16-byte stores, and no register spills."""
-    script = textwrap.dedent(f"""
+    16-byte stores."""
+    ptx = kept_ptx(f"""
         import jax, jax.numpy as jnp
         from jax_kimik3.kernels import producer
         s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
         jax.jit(producer.project).trace(s(64, 1536), s({H}, 1536)).lower(
             lowering_platforms=("cuda",))
-    """)
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
-    ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    """, tmp_path)
     assert ".target sm_90a" in ptx
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert "ld.global.nc.L1::no_allocate.L2::256B.v4.u32" in ptx
