@@ -34,6 +34,8 @@ def parse_args(argv=None):
                         help="auto: kernels on a GPU, the reference elsewhere")
     parser.add_argument("--check", action="store_true",
                         help="also run the reference step and compare (kernel runs)")
+    parser.add_argument("--stats-ahead", action="store_true",
+                        help="compute each pre-attention's block statistics one layer early")
     parser.add_argument("--export", metavar="FILE", help="write the kernel step for CUDA, stop")
     parser.add_argument("--load", metavar="FILE", help="run the step exported to FILE")
     return parser.parse_args(argv)
@@ -91,14 +93,22 @@ def param_specs(params):
     return jax.tree.map(lambda a: P(None, "tp") if a.shape == (H, K) else P(), params)
 
 
-def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbox):
+def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbox,
+                stats_ahead=False):
     """One decode step through `num_layers` layers and the final AttnRes (inside shard_map);
-    `mailbox` is a MailboxSpec (kernels) or None, `table` its peer table operand."""
+    `mailbox` is a MailboxSpec (kernels) or None, `table` its peer table operand. With
+    `stats_ahead`, layer i + 1's pre-attention statistics are computed right after layer i's
+    pre-attention (its last block write), a layer before they are needed."""
+    tails = [k3.AttentionTail(CFG.layer(i), axis_name="tp", mailbox=mailbox, backend=backend)
+             for i in range(num_layers)]
+    layers = params["layers"]
     prefix, delta = embedding, None
-    for i in range(num_layers):
-        tail = k3.AttentionTail(CFG.layer(i), axis_name="tp", mailbox=mailbox, backend=backend)
-        layer = params["layers"][i]
-        hidden, prefix, blocks = tail.pre_attention(layer["pre"], prefix, blocks, delta)
+    stats = tails[0].pre_attention_statistics(layers[0]["pre"], blocks) if stats_ahead else None
+    for i, tail in enumerate(tails):
+        layer = layers[i]
+        hidden, prefix, blocks = tail.pre_attention(layer["pre"], prefix, blocks, delta, stats)
+        if stats_ahead and i + 1 < num_layers:
+            stats = tails[i + 1].pre_attention_statistics(layers[i + 1]["pre"], blocks)
         x = jnp.dot(hidden, params["attention"]).astype(jnp.bfloat16)  # this rank's heads
         hidden, prefix, blocks = tail.post_attention(layer["post"], x, layer["o_proj"], prefix,
                                                      blocks, peer_table=table)
@@ -108,11 +118,11 @@ def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbo
     return out, blocks
 
 
-def make_step(mesh, params, num_layers, backend, mailbox):
+def make_step(mesh, params, num_layers, backend, mailbox, stats_ahead=False):
     """The jitted step(params, embedding, blocks, table) -> (out, blocks) on `mesh`."""
     return jax.jit(jax.shard_map(
         lambda p, e, b, t: decode_step(p, e, b, t, num_layers=num_layers, backend=backend,
-                                       mailbox=mailbox),
+                                       mailbox=mailbox, stats_ahead=stats_ahead),
         mesh=mesh, in_specs=(param_specs(params), P(), P(), P()), out_specs=(P(), P())))
 
 
@@ -163,7 +173,7 @@ def main(args=ARGS):
             step = aot.load(f.read()).call
     else:
         step = make_step(mesh, params, args.layers, args.backend,
-                         None if mailbox is None else mailbox.spec)
+                         None if mailbox is None else mailbox.spec, args.stats_ahead)
     out, _ = step(params, embeddings[0], blocks, table)  # compile and warm up
     out.block_until_ready()
     times, checksum = [], 0.0

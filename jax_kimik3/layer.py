@@ -48,13 +48,21 @@ class AttentionTail:
     mailbox: Any = None
     backend: Backend = "auto"
 
-    def pre_attention(self, weights: AttnResWeights, prefix, blocks, delta=None):
+    def pre_attention(self, weights: AttnResWeights, prefix, blocks, delta=None, stats=None):
         """(attention input, new prefix, new blocks): the last MLP output `delta` (None at layer
-        0) joins the prefix, a block-write layer saves it, then the mix and input_layernorm."""
+        0) joins the prefix, a block-write layer saves it, then the mix and input_layernorm.
+        `stats` from `pre_attention_statistics` stand in for the saved blocks."""
         site = self.plan.pre_attention
         return api.attn_res(prefix, blocks, *weights, num_blocks=site.num_blocks,
-                            delta=_delta(site, delta), write_idx=site.write_idx,
+                            delta=_delta(site, delta), write_idx=site.write_idx, stats=stats,
                             backend=self.backend)
+
+    def pre_attention_statistics(self, weights: AttnResWeights, blocks):
+        """The pre-attention's softmax statistics of the saved blocks it mixes: computable as
+        soon as the last block before this layer is written, i.e. one layer ahead."""
+        return api.attn_res_statistics(blocks, weights.res_norm_w, weights.res_proj_w,
+                                       num_blocks=self.plan.pre_attention.num_blocks,
+                                       backend=self.backend)
 
     def post_attention(self, weights: AttnResWeights, x, o_proj, prefix, blocks,
                        peer_table=None):

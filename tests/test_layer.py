@@ -61,3 +61,20 @@ def test_post_attention_under_shard_map(rng, index):
     oracle.assert_tail_close(out, prefix, x, w, inp, tp=tp, num_blocks=site.num_blocks,
                              has_delta=site.has_delta)
     np.testing.assert_array_equal(np.asarray(blocks), inp.blocks)
+
+
+@pytest.mark.parametrize("index", [0, 13, 24])
+def test_pre_attention_with_statistics_ahead(rng, index):
+    """Statistics of the saved blocks computed ahead stand in for them (24: a write layer)."""
+    tail = k3.AttentionTail(k3.KIMI_K3.layer(index))
+    site = tail.plan.pre_attention
+    inp = attn_res_inputs(rng, 4, NB)
+    delta = inp.delta if site.has_delta else None
+    stats = tail.pre_attention_statistics(weights(inp), inp.blocks)
+    out, prefix, blocks = tail.pre_attention(weights(inp), inp.prefix, inp.blocks, delta, stats)
+    want_out, want_prefix, want_blocks = oracle.attn_res(
+        inp.prefix, inp.blocks, *weights(inp), num_blocks=site.num_blocks, delta=delta,
+        write_idx=site.write_idx)
+    np.testing.assert_array_equal(np.asarray(prefix), want_prefix)
+    np.testing.assert_array_equal(np.asarray(blocks), want_blocks)
+    oracle.assert_bf16_close(out, want_out, "out")
