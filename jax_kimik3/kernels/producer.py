@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from cutlass import Float32, Int32, Int64
 from cutlass.jax import cutlass_call
 
+from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.lamport import publish_words
 from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, f32_to_words, load_words,
                                            mma_bf16, stream_words, store_words,
@@ -37,7 +38,7 @@ TOKENS = 8  # tokens per B tile: the mma's N
 WARPS = 8  # warps per CTA, each over K / WARPS
 STEP = 4 * VECTOR  # k per warp step: 4 lanes x 16 bytes, two mma k-blocks
 UNROLL = 6  # warp steps in flight
-MAX_BATCH = 64
+MAX_BATCH = KIMI_K3.mailbox_capacity  # decode rows per rank: at most 8 B tiles of accumulators
 
 
 class Publish(NamedTuple):
