@@ -1,6 +1,6 @@
 """Benchmark: Kimi K3's post-attention tail, kernels against XLA, in two parts.
 
-oproj (one GPU): the o_proj producer kernel (`kernels.producer.project`) against XLA's dot
+oproj (one GPU): the o_proj producer kernel (`kernels.producer_ops.project`) against XLA's dot
   (cuBLAS) for one rank's weight [7168, 12288/TP], per B: µs, GB/s and the share of the
   measured copy bandwidth (the floor: the weight read once).
 tail (a TP mesh of every local GPU): the kernel tail (`oproj_attn_res` with a mailbox:
@@ -56,7 +56,7 @@ def parse_args(argv=None):
 
 def oproj_rows(args, bandwidth):
     """The producer and XLA's dot per (TP, B) on one GPU, with GB/s against copy bandwidth."""
-    from jax_kimik3.kernels import producer
+    from jax_kimik3.kernels import producer_ops as producer
 
     rng = np.random.default_rng(0)
     rows = []

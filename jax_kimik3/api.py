@@ -19,9 +19,9 @@ def _table(mailbox, peer_table):
 
 
 def _kernels():
-    """The kernel family, imported on first use (the CuTe DSL takes a while to load)."""
-    from jax_kimik3.kernels import attn_res as kernels
-    return kernels
+    """The kernel calls, imported on first use (JIT mode then loads the CuTe DSL)."""
+    from jax_kimik3.kernels import attn_res_ops
+    return attn_res_ops
 
 
 @functools.partial(jax.jit, static_argnames=("num_blocks", "write_idx", "eps", "out_eps",
@@ -110,10 +110,10 @@ def all_reduce(rows, mailbox, *, axis_name, parity, two_shot=False, max_spins=No
 
     One-shot: each rank receives every peer's rows; two-shot: each rank reduces the H/TP columns
     it owns and sends them back. Every rank gets bitwise-identical rows (fp32 sums in rank
-    order). `parity` alternates by layer; `max_spins` bounds each poll (see kernels.lamport);
+    order). `parity` alternates by layer; `max_spins` bounds each poll (see kernels.lamport_ops);
     `peer_table` as in `oproj_attn_res`.
     """
-    from jax_kimik3.kernels import lamport
+    from jax_kimik3.kernels import lamport_ops as lamport
 
     check = Checker("all_reduce")
     check_mailbox_rows(check, rows, "rows", mailbox, parity, axis_name, peer_table)
@@ -130,7 +130,7 @@ def all_reduce_virtual(partials, mailbox, *, parity, two_shot=False, max_spins=N
 
     Runs every rank's producer, then every consumer, through a `Mailbox.virtual` mailbox.
     """
-    from jax_kimik3.kernels import lamport
+    from jax_kimik3.kernels import lamport_ops as lamport
 
     check = Checker("all_reduce_virtual")
     if partials.ndim != 3 or partials.shape[0] != mailbox.tp:

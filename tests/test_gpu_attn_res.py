@@ -36,7 +36,7 @@ def poisoned(shape, dtype):
 @functools.partial(jax.jit, static_argnames=("num_blocks", "has_delta", "write_idx", "out_norm",
                                              "precomputed", "use_kernel"))
 def run(inp, poison, *, num_blocks, has_delta, write_idx, out_norm, precomputed, use_kernel):
-    from jax_kimik3.kernels import attn_res as kernels
+    from jax_kimik3.kernels import attn_res_ops as kernels
 
     stats = None
     if precomputed:
@@ -75,7 +75,7 @@ def test_attn_res_kernel_matches_reference(rng, b, k, variant):
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("b", BATCHES)
 def test_statistics_kernel_matches_reference(rng, b, k):
-    from jax_kimik3.kernels import attn_res as kernels
+    from jax_kimik3.kernels import attn_res_ops as kernels
 
     inp = jax.device_put(attn_res_inputs(rng, b, NB))
     into = (poisoned((b, 7168), jnp.float32), poisoned((b, 2), jnp.float32))

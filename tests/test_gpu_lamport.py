@@ -104,7 +104,7 @@ def test_adversarial_rows(rng, mailboxes, tp, two_shot):
 def stress_step(key, mailbox, *, parity, batch, two_shot):
     """One step: fresh random partials, the all-reduce, mismatches against fp32 sums in rank
     order (bit-exact), and the unarmed words left after it."""
-    from jax_kimik3.kernels import lamport
+    from jax_kimik3.kernels import lamport_ops as lamport
     tp = mailbox.tp
     # reduce_precision: XLA keeps this rounding (it may skip a bf16 convert pair in a fusion).
     partials = jax.lax.reduce_precision(jax.random.normal(key, (tp, batch, H), jnp.float32),
@@ -139,7 +139,7 @@ def test_ten_thousand_steps(mailboxes, two_shot):
 
 def test_peer_that_never_publishes_times_out(mailboxes):
     """Rank 0 publishes and waits for rank 1, which never publishes: a reported timeout."""
-    from jax_kimik3.kernels import lamport
+    from jax_kimik3.kernels import lamport_ops as lamport
     mailbox = mailboxes(2)
     rows = jnp.ones((4, H), jnp.bfloat16)
     out = jax.jit(lambda x, t: lamport.all_reduce(

@@ -43,7 +43,7 @@ def split(a, tp):
 @pytest.mark.parametrize("tp", TPS)
 def test_producer_rows(rng, tp, b):
     """One rank's bf16(x @ w.T) at K = 12288 / TP into a NaN-poisoned output."""
-    from jax_kimik3.kernels import producer
+    from jax_kimik3.kernels import producer_ops as producer
     x = oproj_inputs(rng, b)[0][:, : K_TOTAL // tp]
     w = weight()[:, : K_TOTAL // tp]
     poison = jnp.full((b, H), jnp.nan, jnp.bfloat16)

@@ -8,7 +8,8 @@ from jax_kimik3.mailbox import MailboxLayout
 from tests.lowering import CUSTOM_CALL, kept_ptx, lower_for_cuda, spec
 
 pytest.importorskip("cutlass")
-from jax_kimik3.kernels import producer  # noqa: E402
+from jax_kimik3.kernels import producer_ops as producer  # noqa: E402
+from jax_kimik3.kernels.producer import OprojProducer  # noqa: E402
 
 H, K_TOTAL = 7168, 12288
 
@@ -34,7 +35,7 @@ def test_publish_lowers(tp, two_shot):
 @pytest.mark.parametrize("k,b", [(1000, 8), (1536, 0), (1536, 65)])
 def test_unsupported_shapes_are_refused(k, b):
     with pytest.raises(ValueError, match="o_proj producer"):
-        producer.OprojProducer(b, k, H, None)
+        OprojProducer(b, k, H, None)
 
 
 def test_ptx_streams_weights_into_mma(tmp_path):
@@ -42,7 +43,7 @@ def test_ptx_streams_weights_into_mma(tmp_path):
     16-byte stores."""
     ptx = kept_ptx(f"""
         import jax, jax.numpy as jnp
-        from jax_kimik3.kernels import producer
+        from jax_kimik3.kernels import producer_ops as producer
         s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
         jax.jit(producer.project).trace(s(64, 1536), s({H}, 1536)).lower(
             lowering_platforms=("cuda",))

@@ -20,23 +20,17 @@ Constraints: H = CLUSTER · THREADS · 8; 1 <= B (one cluster per row, grid (CLU
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-import jax
-import jax.numpy as jnp
 from cutlass import Float32, Int64
-from cutlass.jax import cutlass_call
 
-from jax_kimik3 import reference
 from jax_kimik3.config import KIMI_K3
+from jax_kimik3.kernels.attn_res_ops import AttnResVariant
 from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, address_of, cluster_sums,
                                            load_f32, poll_sum, rearm, store, vectors)
-from jax_kimik3.mailbox import MailboxLayout
 
 HIDDEN = KIMI_K3.hidden_size
 CLUSTER = 7
@@ -51,32 +45,6 @@ def _row_major(*shape):
         strides.append(stride)
         stride *= extent
     return cute.make_layout(shape, stride=tuple(reversed(strides)))
-
-
-@dataclasses.dataclass(frozen=True)
-class AttnResVariant:
-    """What one compiled AttnRes kernel does (all static)."""
-
-    num_blocks: int
-    has_delta: bool
-    write_idx: int  # -1: no block write
-    out_norm: bool
-    precomputed: bool  # read (mixture, scal) instead of the saved blocks
-    eps: float
-    out_eps: float
-    ring: MailboxLayout | None = None  # the delta is the all-reduce of these mailbox slots
-    parity: int = 0
-    max_spins: int = 0
-
-    @property
-    def stores_prefix(self) -> bool:
-        """A new prefix differs from the input prefix: a delta, or a block from the ring."""
-        return self.has_delta or self.ring is not None
-
-    @property
-    def sources(self) -> int:
-        """Sources reduced over the cluster: the saved blocks (unless precomputed) and p."""
-        return 1 if self.precomputed else self.num_blocks + 1
 
 
 def _smem_bytes(reductions: int, values: int) -> int:
@@ -256,63 +224,3 @@ def attn_res_kernel(variant: AttnResVariant) -> AttnResKernel:
 @functools.cache
 def statistics_kernel(num_blocks: int, eps: float) -> StatisticsKernel:
     return StatisticsKernel(num_blocks, eps)
-
-
-class Ring(NamedTuple):
-    """A Lamport mailbox as the AttnRes input: the all-reduce of the TP ranks' rows published
-    at `parity` is the delta (`has_delta`) or, starting a block, the new prefix itself."""
-
-    layout: MailboxLayout
-    parity: int
-    max_spins: int
-    has_delta: bool
-    table: Any  # uint32 [T, 2] peer table
-    rank: Any  # int32 [1]
-    after: Any  # an array the publishes produced: orders this kernel after them
-
-
-def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, delta, write_idx,
-             eps, out_eps, stats, ring: Ring | None = None, into=None):
-    """The kernel behind `jax_kimik3.attn_res` (same arguments and results; inputs checked).
-
-    `ring` takes the delta from a Lamport mailbox instead of `delta`. `into` = (out,
-    new_prefix) buffers written in place (the GPU tests pass poisoned ones).
-    """
-    has_delta = delta is not None if ring is None else ring.has_delta
-    variant = AttnResVariant(num_blocks, has_delta, write_idx, out_norm_w is not None,
-                             stats is not None, float(eps), float(out_eps),
-                             *((None, 0, 0) if ring is None else ring[:3]))
-    mixture, scal = (None, None) if stats is None else stats
-    row = jax.ShapeDtypeStruct(prefix.shape, jnp.bfloat16)
-    outputs = [row] * (1 + variant.stores_prefix)
-    inputs = [prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w, out_norm_w,
-              *((None,) * 3 if ring is None else ring[4:])]
-    aliases = {}
-    if write_idx >= 0:  # the block write updates `blocks` in place
-        aliases[2] = len(outputs)
-        outputs.append(jax.ShapeDtypeStruct(blocks.shape, blocks.dtype))
-    if into is not None:
-        for buffer, index in zip(into, range(len(outputs) - (write_idx >= 0))):
-            aliases[len(inputs)] = index
-            inputs.append(buffer)
-    results = cutlass_call(attn_res_kernel(variant), output_shape_dtype=tuple(outputs),
-                           input_output_aliases=aliases)(*inputs)
-    out = results[0]
-    new_prefix = results[1] if variant.stores_prefix else prefix
-    new_blocks = results[-1] if write_idx >= 0 else blocks
-    return out, new_prefix, new_blocks
-
-
-def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps, into=None):
-    """The kernel behind `jax_kimik3.attn_res_statistics`; `into` = poisoned (mixture, scal)."""
-    if num_blocks == 0:  # nothing to reduce: the empty softmax's constants
-        return reference.attn_res_statistics(blocks, res_norm_w, res_proj_w, num_blocks=0, eps=eps)
-    b, _, h = blocks.shape
-    outputs = (jax.ShapeDtypeStruct((b, h), jnp.float32), jax.ShapeDtypeStruct((b, 2), jnp.float32))
-    inputs = [blocks, res_norm_w, res_proj_w]
-    aliases = {}
-    if into is not None:
-        aliases = {len(inputs): 0, len(inputs) + 1: 1}
-        inputs += list(into)
-    return cutlass_call(statistics_kernel(num_blocks, float(eps)), output_shape_dtype=outputs,
-                        input_output_aliases=aliases)(*inputs)

@@ -34,10 +34,7 @@ import functools
 
 import cutlass
 import cutlass.cute as cute
-import jax
-import jax.numpy as jnp
 from cutlass import Int32, Int64, Uint32
-from cutlass.jax import cutlass_call
 
 from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, address_of, f32_to_words,
                                            load_words, multicast_words, poll, poll_sum, rearm,
@@ -45,7 +42,6 @@ from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, address_of, f32
 from jax_kimik3.mailbox import SENTINEL, MailboxLayout
 
 THREADS = 128
-MAX_SPINS = 1 << 22  # polls of one word before a consumer gives up (seconds, not forever)
 
 
 def _item(nvec):
@@ -187,72 +183,6 @@ class Consumer:
             rearm(slots)
 
 
-@functools.cache
-def _producer(layout, parity, two_shot, multicast):
-    return Producer(layout, parity, two_shot, multicast)
-
-
-@functools.cache
-def _owner(layout, parity, batch, max_spins, multicast):
-    return Owner(layout, parity, batch, max_spins, multicast)
-
-
-@functools.cache
-def _consumer(layout, parity, two_shot, max_spins):
-    return Consumer(layout, parity, two_shot, max_spins)
-
-
-def _token():
-    return jax.ShapeDtypeStruct((1,), jnp.int32)
-
-
-def publish(rows, table, rank, *, layout, parity, two_shot=False, multicast=False, after=None):
-    """This rank's producer: its rows into the mailbox slots; returns its int32 [1] token.
-
-    `after`: an array XLA must finish first (the protocol needs the previous use of this
-    parity consumed before the publish; data flow usually implies it). `multicast`: the
-    table's row T is a multicast address over every rank's buffer."""
-    return cutlass_call(_producer(layout, parity, two_shot, multicast),
-                        output_shape_dtype=_token())(rows, table, rank,
-                                                     rows if after is None else after)
-
-
-def all_reduce(rows, table, rank, *, layout, parity, two_shot=False, multicast=False,
-               max_spins=MAX_SPINS, after=None):
-    """One rank's all-reduced rows [B, H] bf16 (inside shard_map: `rank` = its axis index [1]);
-    `after` and `multicast` as in `publish`."""
-    batch = rows.shape[0]
-    token = publish(rows, table, rank, layout=layout, parity=parity, two_shot=two_shot,
-                    multicast=multicast, after=after)
-    if two_shot:
-        token = cutlass_call(_owner(layout, parity, batch, max_spins, multicast),
-                             output_shape_dtype=_token())(table, rank, token)
-    return cutlass_call(_consumer(layout, parity, two_shot, max_spins),
-                        output_shape_dtype=jax.ShapeDtypeStruct(rows.shape, rows.dtype))(
-        table, rank, token)
-
-
-def all_reduce_virtual(partials, table, *, layout, parity, two_shot=False, max_spins=MAX_SPINS,
-                       after=None):
-    """All T ranks on one GPU: every producer, [every owner,] then every consumer.
-
-    partials [T, B, H] bf16 → [T, B, H] bf16, each rank's all-reduced rows.
-    """
-    tp, batch = partials.shape[0], partials.shape[1]
-    ranks = [jnp.full((1,), r, jnp.int32) for r in range(tp)]
-    tokens = jnp.concatenate([publish(partials[r], table, ranks[r], layout=layout, parity=parity,
-                                      two_shot=two_shot, after=after) for r in range(tp)])
-    if two_shot:
-        tokens = jnp.concatenate([
-            cutlass_call(_owner(layout, parity, batch, max_spins, False),
-                         output_shape_dtype=_token())(table, ranks[r], tokens)
-            for r in range(tp)])
-    out = jax.ShapeDtypeStruct(partials.shape[1:], partials.dtype)
-    return jnp.stack([
-        cutlass_call(_consumer(layout, parity, two_shot, max_spins), output_shape_dtype=out)(
-            table, ranks[r], tokens) for r in range(tp)])
-
-
 class ArmedCheck:
     """Counts the words of every rank's armed regions that do not hold SENTINEL."""
 
@@ -279,11 +209,20 @@ class ArmedCheck:
 
 
 @functools.cache
-def _armed_check(layout):
+def producer_kernel(layout, parity, two_shot, multicast):
+    return Producer(layout, parity, two_shot, multicast)
+
+
+@functools.cache
+def owner_kernel(layout, parity, batch, max_spins, multicast):
+    return Owner(layout, parity, batch, max_spins, multicast)
+
+
+@functools.cache
+def consumer_kernel(layout, parity, two_shot, max_spins):
+    return Consumer(layout, parity, two_shot, max_spins)
+
+
+@functools.cache
+def armed_check_kernel(layout):
     return ArmedCheck(layout)
-
-
-def unarmed_words(table, *, layout, after):
-    """int32 [1]: words of all armed regions not holding SENTINEL, read after `after` is done."""
-    return cutlass_call(_armed_check(layout), output_shape_dtype=_token(),
-                        input_output_aliases={2: 0})(table, after, jnp.zeros((1,), jnp.int32))

@@ -1,4 +1,5 @@
-"""The post-attention tail on kernels: the o_proj producer, then the AttnRes consumer.
+"""The post-attention tail on kernels: the o_proj producer, then the AttnRes consumer (this
+module imports no part of the CuTe DSL).
 
 1. producer: this rank's o_proj rows bf16(x @ w.T) into slot `rank` of every rank's mailbox
    (one-shot): the producer kernel (kernels/producer.py, published straight from the GEMM)
@@ -12,32 +13,31 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_kimik3 import reference, tuning
-from jax_kimik3.kernels import attn_res as attn_res_kernels
-from jax_kimik3.kernels import lamport, producer
+from jax_kimik3.kernels import attn_res_ops, lamport_ops, producer_ops
 
 
 def produce(x, w, table, rank, *, layout, parity, multicast=False):
     """This rank's o_proj rows published at `parity` by the faster variant; its token."""
     if tuning.use_producer(*x.shape):
-        return producer.produce(x, w, table, rank, layout=layout, parity=parity,
-                                multicast=multicast)
-    return lamport.publish(reference.oproj_partial(x, w), table, rank, layout=layout,
-                           parity=parity, multicast=multicast)
+        return producer_ops.produce(x, w, table, rank, layout=layout, parity=parity,
+                                    multicast=multicast)
+    return lamport_ops.publish(reference.oproj_partial(x, w), table, rank, layout=layout,
+                               parity=parity, multicast=multicast)
 
 
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, rank,
                    layout, parity, num_blocks, has_delta, eps, out_eps, multicast=False,
-                   max_spins=lamport.MAX_SPINS):
+                   max_spins=lamport_ops.MAX_SPINS):
     """One rank's post-attention tail through the mailbox: (out, new_prefix, new_blocks)."""
     token = produce(x, w, table, rank, layout=layout, parity=parity, multicast=multicast)
-    ring = attn_res_kernels.Ring(layout, parity, max_spins, has_delta, table, rank, token)
-    return attn_res_kernels.attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-                                     num_blocks=num_blocks, delta=None, write_idx=-1, eps=eps,
-                                     out_eps=out_eps, stats=None, ring=ring)
+    ring = attn_res_ops.Ring(layout, parity, max_spins, has_delta, table, rank, token)
+    return attn_res_ops.attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                                 num_blocks=num_blocks, delta=None, write_idx=-1, eps=eps,
+                                 out_eps=out_eps, stats=None, ring=ring)
 
 
 def tail_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, layout,
-                 parity, num_blocks, has_delta, eps, out_eps, max_spins=lamport.MAX_SPINS):
+                 parity, num_blocks, has_delta, eps, out_eps, max_spins=lamport_ops.MAX_SPINS):
     """Every rank on one GPU, from the ranks' shards x [T, B, K/T] and w [T, H, K/T]: every
     producer, then every rank's AttnRes consumer. Returns each rank's (out, new_prefix):
     [T, B, H] each."""
@@ -45,9 +45,9 @@ def tail_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, ta
     ranks = [jnp.full((1,), r, jnp.int32) for r in range(tp)]
     tokens = jnp.concatenate([produce(x[r], w[r], table, ranks[r], layout=layout, parity=parity)
                               for r in range(tp)])
-    results = [attn_res_kernels.attn_res(
+    results = [attn_res_ops.attn_res(
         prefix, blocks, res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks, delta=None,
         write_idx=-1, eps=eps, out_eps=out_eps, stats=None,
-        ring=attn_res_kernels.Ring(layout, parity, max_spins, has_delta, table, ranks[r], tokens))
+        ring=attn_res_ops.Ring(layout, parity, max_spins, has_delta, table, ranks[r], tokens))
         for r in range(tp)]
     return jnp.stack([r[0] for r in results]), jnp.stack([r[1] for r in results])

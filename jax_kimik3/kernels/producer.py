@@ -17,21 +17,17 @@ Token rows past B read row B - 1 (no branch in the loop) and are never stored.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-import jax
-import jax.numpy as jnp
 from cutlass import Float32, Int32, Int64
-from cutlass.jax import cutlass_call
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.lamport import publish_words
 from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, f32_to_words, load_words,
                                            mma_bf16, stream_words, store_words,
                                            without_negative_zero)
-from jax_kimik3.mailbox import MailboxLayout
+from jax_kimik3.kernels.producer_ops import Publish
 
 ROWS = 16  # rows of w per CTA: the mma's M
 TOKENS = 8  # tokens per B tile: the mma's N
@@ -39,15 +35,6 @@ WARPS = 8  # warps per CTA, each over K / WARPS
 STEP = 4 * VECTOR  # k per warp step: 4 lanes x 16 bytes, two mma k-blocks
 UNROLL = 6  # warp steps in flight
 MAX_BATCH = KIMI_K3.mailbox_capacity  # decode rows per rank: at most 8 B tiles of accumulators
-
-
-class Publish(NamedTuple):
-    """Where the rows go: the mailbox slots of `parity` (one-shot, or two-shot owners)."""
-
-    layout: MailboxLayout
-    parity: int
-    two_shot: bool
-    multicast: bool
 
 
 class OprojProducer:
@@ -138,26 +125,5 @@ class OprojProducer:
 
 
 @functools.cache
-def _producer(batch, k, n, publish):
+def producer_kernel(batch, k, n, publish):
     return OprojProducer(batch, k, n, publish)
-
-
-def project(x, w, into=None):
-    """bf16(x @ w.T) [B, N] on the producer kernel: x [B, K], w [N, K] bf16. `into`: a [B, N]
-    buffer written in place (the GPU tests pass a poisoned one)."""
-    b, k = x.shape
-    n = w.shape[0]
-    return cutlass_call(_producer(b, k, n, None),
-                        output_shape_dtype=jax.ShapeDtypeStruct((b, n), jnp.bfloat16),
-                        input_output_aliases={} if into is None else {5: 0})(
-        x, w, None, None, None, *([] if into is None else [into]))
-
-
-def produce(x, w, table, rank, *, layout, parity, two_shot=False, multicast=False, after=None):
-    """This rank's o_proj rows bf16(x @ w.T), published into the mailbox slots at `parity`;
-    returns the int32 [1] token (as `lamport.publish`)."""
-    b, k = x.shape
-    publish = Publish(layout, parity, two_shot, multicast)
-    return cutlass_call(_producer(b, k, w.shape[0], publish),
-                        output_shape_dtype=jax.ShapeDtypeStruct((1,), jnp.int32))(
-        x, w, table, rank, x if after is None else after)

@@ -1,0 +1,70 @@
+"""The prebuilt kernel library (`ffi/`, built by `python -m jax_kimik3.native_build`): find
+it, load it, read its manifest and register its XLA FFI handlers; imports no part of the
+CuTe DSL, so a GPU host without the DSL runs the kernels from it.
+
+The library exports, per kernel call `name` (jax_kimik3/kernels/launch.py names them),
+`<name>_instantiate` (loads the kernel's cubin) and `<name>_execute` (launches it; command-
+buffer compatible), and `jax_kimik3_manifest()`: JSON {"arch", "dsl", "calls": {name:
+description}}.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+
+import jax
+
+LIBRARY_ENV = "JAX_KIMIK3_LIBRARY"  # path of the library; default: DEFAULT_PATH
+LIBRARY_NAME = "libjax_kimik3_kernels.so"
+DEFAULT_DIR = pathlib.Path(__file__).resolve().parent.parent / "build" / "ffi"
+DEFAULT_PATH = DEFAULT_DIR / LIBRARY_NAME
+MANIFEST_SYMBOL = "jax_kimik3_manifest"
+STAGES = ("instantiate", "execute")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Library:
+    """A loaded kernel library: its path, manifest and ctypes handle."""
+
+    path: pathlib.Path
+    arch: str
+    dsl: str
+    calls: dict  # name → description
+    handle: ctypes.CDLL
+
+    @functools.cache
+    def register(self) -> tuple[str, ...]:
+        """Register every handler with XLA for CUDA (once); returns the targets' names."""
+        for name in self.calls:
+            jax.ffi.register_ffi_target(
+                name, {stage: jax.ffi.pycapsule(getattr(self.handle, f"{name}_{stage}"))
+                       for stage in STAGES}, platform="CUDA", api_version=1)
+        return tuple(self.calls)
+
+
+def library_path() -> pathlib.Path:
+    return pathlib.Path(os.environ.get(LIBRARY_ENV) or DEFAULT_PATH)
+
+
+@functools.cache
+def load(path: pathlib.Path) -> Library:
+    handle = ctypes.CDLL(str(path))
+    manifest = getattr(handle, MANIFEST_SYMBOL)
+    manifest.restype = ctypes.c_char_p
+    info = json.loads(manifest())
+    return Library(path, info["arch"], info["dsl"], info["calls"], handle)
+
+
+def library() -> Library | None:
+    """The library at $JAX_KIMIK3_LIBRARY (which must exist if set) or DEFAULT_PATH, if any."""
+    path = library_path()
+    if not path.exists():
+        if os.environ.get(LIBRARY_ENV):
+            raise FileNotFoundError(f"{LIBRARY_ENV}={path} does not exist")
+        return None
+    return load(path)
