@@ -18,6 +18,7 @@ import os
 import pathlib
 
 import jax
+from jaxlib.xla_client import CustomCallTargetTraits
 
 LIBRARY_ENV = "JAX_KIMIK3_LIBRARY"  # path of the library; default: DEFAULT_PATH
 LIBRARY_NAME = "libjax_kimik3_kernels.so"
@@ -39,11 +40,13 @@ class Library:
 
     @functools.cache
     def register(self) -> tuple[str, ...]:
-        """Register every handler with XLA for CUDA (once); returns the targets' names."""
+        """Register every handler with XLA for CUDA (once, command-buffer compatible: a
+        handler launches the same kernel every time); returns the targets' names."""
         for name in self.calls:
             jax.ffi.register_ffi_target(
                 name, {stage: jax.ffi.pycapsule(getattr(self.handle, f"{name}_{stage}"))
-                       for stage in STAGES}, platform="CUDA", api_version=1)
+                       for stage in STAGES}, platform="CUDA", api_version=1,
+                traits=CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
         return tuple(self.calls)
 
 

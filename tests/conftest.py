@@ -5,6 +5,8 @@ import zlib
 
 # Kernels compile for Hopper also where no GPU is attached (read when cutlass is imported).
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# The lowering tests check the DSL's JIT path; tests/test_native.py sets the AOT one.
+os.environ.setdefault("JAX_KIMIK3_KERNELS", "jit")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 

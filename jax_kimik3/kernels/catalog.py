@@ -1,0 +1,116 @@
+"""The kernel calls of Kimi K3 decode steps, from the config plan: what the prebuilt library
+(jax_kimik3.native_build) compiles. Imports no part of the CuTe DSL.
+
+Per TP in `tps` (default TP_VALUES) and the first `num_layers` layers:
+1. pre-attention AttnRes of every layer, with and without precomputed statistics, and the
+   statistics kernel of every K >= 1 (`AttentionTail.pre_attention[_statistics]`);
+2. the final AttnRes after any number of layers (`final_attn_res`);
+3. the post-attention tail (`oproj_attn_res` with a mailbox) of every layer at its parity:
+   the Lamport publish of XLA's dot and the AttnRes ring consumer, and the o_proj producer
+   for every batch `tuning.use_producer` gives it at K = 12288 / TP;
+4. the one-shot mailbox all-reduce (`all_reduce`).
+Batch is symbolic: those kernels read it at run time, one object for every B in [1, 64]; the
+producer is compiled per batch. Not included (JIT only): two-shot all-reduce (its owner
+kernel is compiled per batch), multicast mailboxes, other eps or max_spins, `into=` buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from jax_kimik3 import tuning
+from jax_kimik3.config import KIMI_K3
+from jax_kimik3.kernels import attn_res_ops, lamport_ops, producer_ops
+from jax_kimik3.mailbox import MailboxLayout
+
+TP_VALUES = (1, 2, 4, 8, 16)
+H, NB, EPS = KIMI_K3.hidden_size, KIMI_K3.num_attn_res_blocks, KIMI_K3.rms_norm_eps
+Entry = tuple[str, Callable, tuple]  # (what, function, its ShapeDtypeStruct arguments)
+
+
+def _spec(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _rows(batch):
+    """prefix/delta [B, H], blocks [B, NB, H], the three weights [H]."""
+    return (_spec(batch, H), _spec(batch, NB, H)) + (_spec(H),) * 3
+
+
+def _attn_res(site, precomputed):
+    def call(prefix, blocks, g, w, o, delta, mixture, scal):
+        return attn_res_ops.attn_res(
+            prefix, blocks, g, w, o, num_blocks=site.num_blocks,
+            delta=delta if site.has_delta else None, write_idx=site.write_idx, eps=EPS,
+            out_eps=EPS, stats=(mixture, scal) if precomputed else None)
+    return call
+
+
+def _statistics(num_blocks):
+    def call(blocks, g, w):
+        return attn_res_ops.attn_res_statistics(blocks, g, w, num_blocks=num_blocks, eps=EPS)
+    return call
+
+
+def _tail(layout, site, parity):
+    """oproj_attn_res's kernels where XLA's dot makes the rows (kernels/oproj.py)."""
+    def call(rows, prefix, blocks, g, w, o, table, rank):
+        token = lamport_ops.publish(rows, table, rank, layout=layout, parity=parity)
+        ring = attn_res_ops.Ring(layout, parity, lamport_ops.MAX_SPINS, site.has_delta, table,
+                                 rank, token)
+        return attn_res_ops.attn_res(prefix, blocks, g, w, o, num_blocks=site.num_blocks,
+                                     delta=None, write_idx=-1, eps=EPS, out_eps=EPS, stats=None,
+                                     ring=ring)
+    return call
+
+
+def _produce(layout, parity):
+    def call(x, w, table, rank):
+        return producer_ops.produce(x, w, table, rank, layout=layout, parity=parity)
+    return call
+
+
+def _all_reduce(layout, parity):
+    def call(rows, table, rank):
+        return lamport_ops.all_reduce(rows, table, rank, layout=layout, parity=parity)
+    return call
+
+
+def decode_calls(tps=TP_VALUES, num_layers=KIMI_K3.num_layers) -> Iterator[Entry]:
+    """Every entry point call above once (calls repeat across entries: name them to dedupe)."""
+    for tp in tps:
+        if tp not in TP_VALUES:
+            raise ValueError(f"tp={tp} must be one of {TP_VALUES}")
+    if not 1 <= num_layers <= KIMI_K3.num_layers:
+        raise ValueError(f"num_layers={num_layers} must be in [1, {KIMI_K3.num_layers}]")
+    b = jax.export.symbolic_shape("b")[0]
+    f32 = (_spec(b, H, dtype=jnp.float32), _spec(b, 2, dtype=jnp.float32))
+    plans = KIMI_K3.layers()[:num_layers]
+    for plan in plans:
+        site = plan.pre_attention
+        for precomputed in (False, True):
+            yield (f"layer {plan.index} pre-attention, stats={precomputed}",
+                   _attn_res(site, precomputed), _rows(b) + (_spec(b, H),) + f32)
+        if site.num_blocks:
+            yield (f"layer {plan.index} statistics", _statistics(site.num_blocks),
+                   (_spec(b, NB, H), _spec(H), _spec(H)))
+    for n in range(1, num_layers + 1):
+        yield (f"final after {n} layers", _attn_res(KIMI_K3.final(n), False),
+               _rows(b) + (_spec(b, H),) + f32)
+    for tp in tps:
+        layout, k = MailboxLayout(tp), KIMI_K3.o_proj_local_features(tp)
+        mailbox = (_spec(tp + 1, 2, dtype=jnp.uint32), _spec(1, dtype=jnp.int32))
+        for plan in plans:
+            yield (f"TP{tp} layer {plan.index} post-attention tail",
+                   _tail(layout, plan.post_attention, plan.parity),
+                   (_spec(b, H),) + _rows(b) + mailbox)
+        for parity in (0, 1):
+            for batch in range(1, KIMI_K3.mailbox_capacity + 1):
+                if tuning.use_producer(batch, k):
+                    yield (f"TP{tp} o_proj producer B={batch} parity {parity}",
+                           _produce(layout, parity), (_spec(batch, k), _spec(H, k)) + mailbox)
+            yield (f"TP{tp} all-reduce parity {parity}", _all_reduce(layout, parity),
+                   (_spec(b, H),) + mailbox)
