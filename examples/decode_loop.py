@@ -13,7 +13,8 @@ step runs the reference; on GPUs it runs the kernels, the all-reduce through pee
 Ahead of time: `--export step.bin` writes the kernel step for CUDA (`jax.export`; this works
 on a CPU host too: the kernels compile for sm_90a there) and stops; `--load step.bin` runs
 that artifact instead of tracing the step, on GPUs, without compiling a kernel (and without
-the CuTe DSL: see jax_kimik3/aot.py).
+the CuTe DSL: see jax_kimik3/aot.py). Kernel runs take JAX_KIMIK3_KERNELS (jit, aot: the
+prebuilt library, or auto) and print the time from process start to the first step done.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from __future__ import annotations
 import argparse
 import os
 import time
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (Linux: /proc), imports and compiles included."""
+    with open("/proc/self/stat") as f:
+        started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in ticks
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0]) - started / os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv=None):
@@ -53,6 +62,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_kimik3 as k3  # noqa: E402
+from jax_kimik3.backend import KERNELS_ENV, kernel_mode  # noqa: E402
 
 CFG = k3.KIMI_K3
 H, K, NB = CFG.hidden_size, CFG.o_proj_in_features, CFG.num_attn_res_blocks
@@ -176,6 +186,10 @@ def main(args=ARGS):
                          None if mailbox is None else mailbox.spec, args.stats_ahead)
     out, _ = step(params, embeddings[0], blocks, table)  # compile and warm up
     out.block_until_ready()
+    source = ("exported step" if args.load else f"kernels, {KERNELS_ENV}={kernel_mode()}"
+              if kernels else "reference")
+    print(f"startup ({source}): process start to first decode step done: "
+          f"{process_seconds():.1f} s")
     times, checksum = [], 0.0
     for s in range(1, args.steps + 1):
         start = time.perf_counter()

@@ -19,6 +19,8 @@ import os
 
 import jax
 
+from jax_kimik3 import backend
+
 RUNTIME_ENV = "K3_CUTE_DSL_RUNTIME"  # path of libcute_dsl_runtime.so on hosts without the DSL
 FFI_TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"  # what every kernel lowers to
 FFI_TARGETS = {  # target → stage → symbol of the runtime library (cutlass/jax/ffi.py, v2)
@@ -36,14 +38,17 @@ FFI_TYPES = {"CuteDSLRT_NvJaxCutlassCallTypes_v2": {
 
 def export(step, *args) -> jax.export.Exported:
     """`jax.export` of the jitted `step` for CUDA at the shapes and shardings of `args`
-    (ShapeDtypeStructs or arrays); the kernels compile here, for sm_90a."""
+    (ShapeDtypeStructs or arrays); the kernels compile here, for sm_90a (JIT mode, whatever
+    JAX_KIMIK3_KERNELS says: the artifact carries its kernels)."""
     import cutlass.jax
 
-    return jax.export.export(
-        step, platforms=("cuda",),
-        # The DSL's targets make no serialization-compatibility promise across its versions:
-        # the runtime library that runs the step must come from the DSL that exported it.
-        disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*args)
+    with backend.kernel_mode_set("jit"):
+        return jax.export.export(
+            step, platforms=("cuda",),
+            # The DSL's targets make no serialization-compatibility promise across its
+            # versions: the runtime library that runs the step must come from the DSL that
+            # exported it.
+            disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*args)
 
 
 def _symbol(library, name):

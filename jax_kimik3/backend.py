@@ -3,6 +3,7 @@ kernels come from: compiled at trace time by the CuTe DSL (JIT) or the prebuilt 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -28,6 +29,22 @@ def kernel_mode() -> KernelMode:
     if mode not in KERNEL_MODES:
         raise ValueError(f"{KERNELS_ENV}={mode!r} must be one of {KERNEL_MODES}")
     return mode
+
+
+@contextlib.contextmanager
+def kernel_mode_set(mode: KernelMode):
+    """Within it, kernel_mode() is `mode` (for traces that need one path, e.g. jax.export)."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"mode={mode!r} must be one of {KERNEL_MODES}")
+    before = os.environ.get(KERNELS_ENV)
+    os.environ[KERNELS_ENV] = mode
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[KERNELS_ENV]
+        else:
+            os.environ[KERNELS_ENV] = before
 
 
 @functools.cache

@@ -18,7 +18,6 @@ import os
 import pathlib
 
 import jax
-from jaxlib.xla_client import CustomCallTargetTraits
 
 LIBRARY_ENV = "JAX_KIMIK3_LIBRARY"  # path of the library; default: DEFAULT_PATH
 LIBRARY_NAME = "libjax_kimik3_kernels.so"
@@ -42,6 +41,8 @@ class Library:
     def register(self) -> tuple[str, ...]:
         """Register every handler with XLA for CUDA (once, command-buffer compatible: a
         handler launches the same kernel every time); returns the targets' names."""
+        from jaxlib.xla_client import CustomCallTargetTraits
+
         for name in self.calls:
             jax.ffi.register_ffi_target(
                 name, {stage: jax.ffi.pycapsule(getattr(self.handle, f"{name}_{stage}"))

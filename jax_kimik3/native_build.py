@@ -52,8 +52,8 @@ def record_calls(tps, num_layers) -> dict:
             raise RuntimeError(f"{call.name}: expected one cutlass_call, found {len(found)}")
         calls[call.name] = (call, found[0].params["lowering_target"].fn, found[0].params["spec"])
 
-    os.environ[backend.KERNELS_ENV] = "jit"
-    with launch.recording(record):
+    # The DSL's calls, whatever library exists already.
+    with backend.kernel_mode_set("jit"), launch.recording(record):
         for _, function, args in catalog.decode_calls(tps, num_layers):
             jax.make_jaxpr(function)(*args)
     return calls

@@ -1,22 +1,48 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the project, in one call on a device machine:
 #   device run (carry [".device"]):  bash scripts/device_checks.sh [TARGETS] [pytest args]
-# TARGETS: comma-separated, of tests, bench (every benchmark), bench_<name>, decode; all (the
-# default) is every one. Extra arguments go to pytest, e.g. -k lamport; $BENCH_ARGS to the
-# benchmarks, e.g. BENCH_ARGS="--parts tail". With several GPUs the
+# TARGETS: comma-separated, of tests, bench (every benchmark), bench_<name>, decode, startup;
+# all (the default) is every one of those. Extra arguments go to pytest, e.g. -k lamport;
+# $BENCH_ARGS to the benchmarks, e.g. BENCH_ARGS="--parts tail". With several GPUs the
 # mesh tests run and the all-reduce and layer benchmarks use a real TP mesh.
-# Needs .device/cutedsl.tar.xz (../shared/device/make-cutedsl-bundle). Logs and results go
+# They need .device/cutedsl.tar.xz (../shared/device/make-cutedsl-bundle). Logs and results go
 # to $OUT; the last lines printed are a short summary.
+# The target aot (not in all) runs without the DSL: carry ["build/ffi"] (the kernel library,
+# python -m jax_kimik3.native_build) and not .device; JAX_KIMIK3_KERNELS=aot.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site || exit 1
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 targets=",${1:-all},"
 wants() { [[ $targets == *",all,"* || $targets == *",$1,"* || ($1 == bench_* && $targets == *",bench,"*) ]]; }
 summary=()
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+if [[ $targets == *",aot,"* ]]; then
+  # No DSL on the path: every kernel from build/ffi/libjax_kimik3_kernels.so.
+  lib_mib=$(du -sm build/ffi | cut -f1)
+  aot_env=(env PYTHONPATH="$PWD" JAX_KIMIK3_KERNELS=aot)
+  if "${aot_env[@]}" python3 -c "import cutlass" 2>/dev/null; then
+    summary+=("aot: FAILED: cutlass imports here; the check needs a host without the DSL")
+  elif [[ ! -f build/ffi/libjax_kimik3_kernels.so || $lib_mib -ge 60 ]]; then
+    summary+=("aot: FAILED: build/ffi must hold libjax_kimik3_kernels.so, under 60 MiB (${lib_mib} MiB)")
+  else
+    "${aot_env[@]}" python3 -c "from jax_kimik3 import native; l = native.library(); \
+print(f'{l.path}: {len(l.register())} handlers registered, {l.arch}, DSL {l.dsl}')" \
+      > "$OUT/aot_library.log" 2>&1
+    summary+=("aot library (${lib_mib} MiB, import cutlass fails): $(tail -n 1 "$OUT/aot_library.log")")
+    "${aot_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=600 \
+      tests/test_gpu_native.py "${@:2}" > "$OUT/aot_gpu_tests.log" 2>&1
+    summary+=("aot gpu tests: $(tail -n 1 "$OUT/aot_gpu_tests.log")")
+    "${aot_env[@]}" python3 examples/decode_loop.py --layers 13 --batch 8 --steps 20 --check \
+      > "$OUT/aot_decode_loop.log" 2>&1
+    summary+=("aot decode_loop B=8: exit $? | $(grep -h -E 'startup|decode step|check' "$OUT/aot_decode_loop.log" | tr '\n' ' ')")
+    grep -E "FAILED|Error" "$OUT/aot_gpu_tests.log" "$OUT/aot_decode_loop.log" | head -n 20
+  fi
+  targets=${targets//,aot,/,}
+  if [[ $targets == "," ]]; then printf '%s\n' "${summary[@]}"; exit 0; fi
+fi
+mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site || exit 1
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 if wants tests; then
   python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 --timeout=600 --maxfail=30 tests/ "${@:2}" \
     > "$OUT/gpu_tests.log" 2>&1
@@ -35,6 +61,17 @@ if wants decode; then
       > "$OUT/decode_loop_b$batch.log" 2>&1
     summary+=("decode_loop B=$batch: exit $? | $(grep -h -E 'decode step|check' "$OUT/decode_loop_b$batch.log" | tr '\n' ' ')")
   done
+fi
+if wants startup; then
+  # Process start to the first decode step done: JIT (the DSL compiles every kernel), then a
+  # step exported here and loaded in a fresh process (JAX_KIMIK3_KERNELS=jit for both).
+  JAX_KIMIK3_KERNELS=jit python3 examples/decode_loop.py --layers 13 --batch 8 --steps 1 \
+    > "$OUT/startup_jit.log" 2>&1
+  JAX_KIMIK3_KERNELS=jit python3 examples/decode_loop.py --layers 13 --batch 8 \
+    --export /tmp/step.bin > "$OUT/startup_export.log" 2>&1
+  JAX_KIMIK3_KERNELS=jit python3 examples/decode_loop.py --layers 13 --batch 8 --steps 1 \
+    --load /tmp/step.bin > "$OUT/startup_exported.log" 2>&1
+  summary+=("startup: $(grep -h startup "$OUT"/startup_jit.log "$OUT"/startup_exported.log | tr '\n' ' ')")
 fi
 grep -E "FAILED|Error" "$OUT/gpu_tests.log" 2>/dev/null | head -n 20
 printf '%s\n' "${summary[@]}"

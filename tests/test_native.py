@@ -1,0 +1,160 @@
+"""CPU: the kernel library (ffi/, jax_kimik3.native_build) builds for a TP subset, every
+handler registers, and a decode step lowered with JAX_KIMIK3_KERNELS=aot calls the library's
+handlers alone, in a process where the CuTe DSL cannot be imported."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("cutlass")
+from jax_kimik3 import backend, native, native_build  # noqa: E402
+from jax_kimik3.kernels import attn_res_ops  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TPS, LAYERS = (2,), 2  # what the test library holds: a decode step at TP 2 over 2 layers
+H, NB = 7168, 8
+# Shared libraries a host without the CUDA toolkit or the DSL has (the driver is dlopened).
+SYSTEM_LIBRARIES = {"libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libc.so.6",
+                    "ld-linux-x86-64.so.2", "libdl.so.2", "libpthread.so.0", "librt.so.1"}
+NO_DSL = """
+import sys
+class NoDSL:
+    def find_spec(self, name, *args):
+        if name.split(".")[0] in ("cutlass", "nvidia_cutlass_dsl"):
+            raise ImportError(f"{name} is absent on this host")
+sys.meta_path.insert(0, NoDSL())
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The build as a user runs it, for TP 2 and 2 layers: (library path, its report line)."""
+    out = tmp_path_factory.mktemp("ffi")
+    done = subprocess.run([sys.executable, "-m", "jax_kimik3.native_build", "--tp",
+                           ",".join(map(str, TPS)), "--layers", str(LAYERS), "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / native.LIBRARY_NAME, done.stdout.splitlines()[-1]
+
+
+def run_without_dsl(script, library, mode="aot", devices=2):
+    """`script` in a fresh process where `import cutlass` fails; its last line, as JSON."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_KIMIK3_KERNELS=mode,
+               JAX_KIMIK3_LIBRARY=str(library),
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples")]))
+    done = subprocess.run([sys.executable, "-c", NO_DSL + textwrap.dedent(script)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_library_holds_every_catalog_call(built):
+    """The manifest lists exactly the catalog's calls; the library needs no CUDA runtime and
+    no DSL library at load, and exports only handlers and the manifest."""
+    path, report = built
+    library = native.load(path)
+    want = native_build.record_calls(TPS, LAYERS)
+    assert set(library.calls) == set(want)
+    assert f": {len(want)} kernel calls for TP 2, {LAYERS} layers" in report
+    assert library.arch == "sm_90a"
+    needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]",
+                            subprocess.run(["readelf", "-d", str(path)], capture_output=True,
+                                           text=True, check=True).stdout))
+    assert needed and needed <= SYSTEM_LIBRARIES, needed - SYSTEM_LIBRARIES
+    exported = set(subprocess.run(["nm", "-D", "--defined-only", "--format=just-symbols",
+                                   str(path)], capture_output=True, text=True,
+                                  check=True).stdout.split())
+    handlers = {f"{name}_{stage}" for name in want for stage in native.STAGES}
+    assert exported == handlers | {native.MANIFEST_SYMBOL}
+
+
+def test_every_handler_registers_without_the_dsl(built):
+    """Each call's instantiate and execute handlers go to XLA for CUDA, as typed FFI."""
+    path, _ = built
+    got = run_without_dsl("""
+        import json
+        from jaxlib import xla_client
+        from jax_kimik3 import native
+        names = native.library().register()
+        pending = {n: (api, traits) for n, fn, api, traits in xla_client._custom_callback["CUDA"]
+                   if isinstance(fn, dict) and sorted(fn) == ["execute", "instantiate"]}
+        print(json.dumps(dict(names=names, pending={n: pending.get(n) for n in names},
+                              dsl="cutlass" in sys.modules)))
+    """, path)
+    assert len(got["names"]) == len(native.load(path).calls) and not got["dsl"]
+    assert all(v == [1, 1] for v in got["pending"].values()), got["pending"]
+
+
+@pytest.mark.parametrize("stats_ahead", [False, True], ids=["blocks", "stats_ahead"])
+def test_aot_decode_step_lowers_to_the_library(built, stats_ahead):
+    """decode_loop's step at TP 2 (B = 4: the o_proj producer; B = 33: XLA's dot + publish),
+    lowered for CUDA with JAX_KIMIK3_KERNELS=aot: only the library's targets."""
+    path, _ = built
+    got = run_without_dsl(f"""
+        import json, re, sys
+        sys.argv = ["decode_loop", "--tp", "2", "--layers", "{LAYERS}"]
+        import decode_loop as dl
+        import jax, jax.numpy as jnp
+        import jax_kimik3 as k3
+        mesh = jax.sharding.Mesh(jax.devices()[:2], ("tp",))
+        params = jax.eval_shape(lambda: dl.init_params(jax.random.key(0), mesh, {LAYERS}))
+        step = dl.make_step(mesh, params, {LAYERS}, "kernel", k3.MailboxSpec(k3.MailboxLayout(2)),
+                            stats_ahead={stats_ahead})
+        s = jax.ShapeDtypeStruct
+        targets = []
+        for b in (4, 33):
+            text = step.trace(params, s((b, {H}), jnp.bfloat16), s((b, {NB}, {H}), jnp.bfloat16),
+                              s((3, 2), jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
+            targets.append(re.findall(r"custom_call @(\\w+)", text))
+        print(json.dumps(dict(targets=targets, dsl="cutlass" in sys.modules)))
+    """, path)
+    names = set(native.load(path).calls)
+    for targets in got["targets"]:
+        # Per layer: pre-attention [+ statistics], o_proj, AttnRes ring; then the final AttnRes.
+        assert len(targets) >= 3 * LAYERS + 1 and set(targets) <= names, targets
+    assert any(t.startswith("k3_oproj_") for t in got["targets"][0])
+    assert not any(t.startswith("k3_oproj_") for t in got["targets"][1])
+    assert any(t.startswith("k3_statistics_") for t in got["targets"][0]) == stats_ahead
+    assert not got["dsl"]
+
+
+def call_outside_the_catalog():
+    """attn_res at eps = 1e-6: no decode step makes this call."""
+    s = jax.ShapeDtypeStruct
+    return jax.jit(lambda p, b, w: attn_res_ops.attn_res(
+        p, b, w, w, w, num_blocks=2, delta=p, write_idx=-1, eps=1e-6, out_eps=1e-6,
+        stats=None)).trace(s((4, H), jnp.bfloat16), s((4, NB, H), jnp.bfloat16),
+                           s((H,), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_aot_refuses_a_call_the_library_lacks(built, monkeypatch):
+    monkeypatch.setenv(native.LIBRARY_ENV, str(built[0]))
+    monkeypatch.setenv(backend.KERNELS_ENV, "aot")
+    with pytest.raises(RuntimeError, match=r"=aot: kernel k3_attn_res_\w+ \(attn_res\(AttnRes"
+                                           r"Variant\(num_blocks=2.*eps=1e-06.*does not hold it"):
+        call_outside_the_catalog()
+
+
+def test_auto_compiles_what_the_library_lacks(built, monkeypatch):
+    monkeypatch.setenv(native.LIBRARY_ENV, str(built[0]))
+    monkeypatch.setenv(backend.KERNELS_ENV, "auto")
+    assert "CuteDSLRT_NvJaxCutlassCall" in call_outside_the_catalog()
+
+
+def test_aot_without_a_library_and_bad_modes_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv(native.LIBRARY_ENV, str(tmp_path / "missing.so"))
+    with pytest.raises(FileNotFoundError, match="missing.so does not exist"):
+        native.library()
+    monkeypatch.setenv(backend.KERNELS_ENV, "ahead")
+    with pytest.raises(ValueError, match=r"JAX_KIMIK3_KERNELS='ahead' must be one of"):
+        backend.kernel_mode()
