@@ -62,6 +62,7 @@ class Call:
 
     @property
     def description(self) -> str:
+        """Everything the compiled object depends on, readable (the library's manifest)."""
         return (f"{self.variant.family}{self.variant.params} inputs={self.inputs} "
                 f"outputs={self.outputs} aliases={self.aliases}")
 
@@ -76,7 +77,7 @@ def _signature(x) -> tuple[str, int]:
     return np.dtype(x.dtype).name, len(x.shape)
 
 
-def describe(variant: Variant, inputs: Sequence[Any], outputs: Sequence[Any],
+def _describe(variant: Variant, inputs: Sequence[Any], outputs: Sequence[Any],
              aliases: dict[int, int]) -> Call:
     return Call(variant, tuple(None if x is None else _signature(x) for x in inputs),
                 tuple(_signature(o) for o in outputs), tuple(sorted(aliases.items())))
@@ -122,7 +123,7 @@ def launch(variant: Variant, output_shape_dtype, input_output_aliases=None):
     outputs = tuple(output_shape_dtype) if several else (output_shape_dtype,)
 
     def call(*inputs):
-        described = describe(variant, inputs, outputs, aliases)
+        described = _describe(variant, inputs, outputs, aliases)
         if not _from_library(described):
             from cutlass.jax import cutlass_call
 
