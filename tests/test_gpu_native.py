@@ -26,7 +26,8 @@ def on_gpu():
 
 
 def weights(inp):
-    return k3.AttnResWeights(inp.res_norm_w, inp.res_proj_w, inp.out_norm_w)
+    return k3.AttnResWeights(res_norm_w=inp.res_norm_w, res_proj_w=inp.res_proj_w,
+                             out_norm_w=inp.out_norm_w)
 
 
 @pytest.mark.parametrize("stats_ahead", [False, True], ids=["blocks", "stats_ahead"])

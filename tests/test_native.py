@@ -158,3 +158,64 @@ def test_aot_without_a_library_and_bad_modes_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(backend.KERNELS_ENV, "ahead")
     with pytest.raises(ValueError, match=r"JAX_KIMIK3_KERNELS='ahead' must be one of"):
         backend.kernel_mode()
+
+
+HARNESS = """
+#include <cstdio>
+#include "k3_handler.h"
+#include "{name}.h"
+static int success() {{ return 0; }}
+extern "C" {{
+cudaError_t cudaGetDriverEntryPointByVersion(const char*, void** f, unsigned int, unsigned long long,
+                                             cudaDriverEntryPointQueryResult* status) {{
+  *f = reinterpret_cast<void*>(success);
+  if (status) *status = cudaDriverEntryPointSuccess;
+  return cudaSuccess;
+}}
+cudaError_t cudaGetDevice(int* d) {{ *d = 0; return cudaSuccess; }}
+cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {{ *v = 1 << 20; return cudaSuccess; }}
+cudaError_t cudaLibraryGetKernel(cudaKernel_t* k, cudaLibrary_t, const char*) {{
+  *k = reinterpret_cast<cudaKernel_t>(1); return cudaSuccess; }}
+cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t* c, const void*, void** args) {{
+  std::printf("grid %u %u %u\\n", c->gridDim.x, c->gridDim.y, c->gridDim.z);
+  for (int i = 0; i < {buffers}; ++i) std::printf("%p\\n", *static_cast<void**>(args[i]));
+  return cudaSuccess;
+}}
+}}
+int main() {{
+  int64_t blocks[3] = {{{batch}, {nb}, {h}}}, weight[1] = {{{h}}}, mixture[2] = {{{batch}, {h}}},
+          scal[2] = {{{batch}, 2}};
+  k3::Descriptor d[5] = {{{{(void*)0x1000, blocks}}, {{(void*)0x2000, weight}},
+                         {{(void*)0x3000, weight}}, {{(void*)0x4000, mixture}},
+                         {{(void*)0x5000, scal}}}};
+  {name}_Kernel_Module_t module{{}};
+  return cute_dsl_{name}_wrapper(&module, nullptr, &d[0], &d[1], &d[2], &d[3], &d[4]);
+}}
+"""
+
+
+def test_exported_kernel_reads_buffers_as_the_handler_passes_them(tmp_path):
+    """k3_handler.h hands each buffer to an exported kernel as {data, dims}: run the statistics
+    call's host code on this CPU against a fake CUDA runtime; the launch gets the pointers in
+    order and its grid from the batch in dims (B = 5, not a compile-time constant)."""
+    call, fn, spec = next(v for v in native_build.record_calls(TPS, LAYERS).values()
+                          if v[0].variant.family == "statistics")
+    native_build.export(call.name, fn, spec, tmp_path)
+    lib = native_build.dsl_lib_dir() / "libcuda_dialect_runtime_static.a"
+    runtime = subprocess.run(["nm", "-u", str(lib)], capture_output=True, text=True,
+                             check=True).stdout.split()
+    faked = {"cudaGetDevice", "cudaDeviceGetAttribute", "cudaLibraryGetKernel",
+             "cudaLaunchKernelExC", "cudaGetDriverEntryPointByVersion"}
+    stubs = sorted({s for s in runtime if s.startswith("cuda") and s.isidentifier()} - faked)
+    (tmp_path / "stubs.c").write_text("".join(f"int {s}(void) {{ return 0; }}\n" for s in stubs))
+    (tmp_path / "harness.cc").write_text(HARNESS.format(name=call.name, buffers=5, batch=5, nb=NB,
+                                                        h=H))
+    subprocess.run(["g++", "-std=c++17", f"-I{native_build.SOURCE_DIR}", f"-I{tmp_path}",
+                    f"-I{jax.ffi.include_dir()}", "-I/usr/local/cuda/include", "-x", "c++",
+                    str(tmp_path / "harness.cc"), "-x", "c", str(tmp_path / "stubs.c"), "-x",
+                    "none", str(tmp_path / f"{call.name}.o"), str(lib), "-o",
+                    str(tmp_path / "harness")], check=True, capture_output=True)
+    ran = subprocess.run([str(tmp_path / "harness")], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["grid", "7", "5", "1"] + [hex(a) for a in range(0x1000, 0x6000,
+                                                                                  0x1000)]
