@@ -4,8 +4,9 @@ CuTe DSL, so a GPU host without the DSL runs the kernels from it.
 
 The library exports, per kernel call `name` (jax_kimik3/kernels/launch.py names them),
 `<name>_instantiate` (loads the kernel's cubin) and `<name>_execute` (launches it; command-
-buffer compatible), and `jax_kimik3_manifest()`: JSON {"arch", "dsl", "calls": {name:
-description}}.
+buffer compatible), and `jax_kimik3_manifest()`: JSON {"arch", "dsl", "sources", "calls":
+{name: description}}. "sources" is the digest of the kernel sources it was built from: a
+library whose digest differs from this package's is stale (launch.py will not use it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import pathlib
@@ -25,6 +27,18 @@ DEFAULT_DIR = pathlib.Path(__file__).resolve().parent.parent / "build" / "ffi"
 DEFAULT_PATH = DEFAULT_DIR / LIBRARY_NAME
 MANIFEST_SYMBOL = "jax_kimik3_manifest"
 STAGES = ("instantiate", "execute")
+PACKAGE = pathlib.Path(__file__).resolve().parent
+# What a compiled kernel depends on: the kernels, their calls and the sizes they are built for.
+KERNEL_SOURCES = ("kernels/*.py", "config.py", "mailbox.py")
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 of this package's kernel sources (KERNEL_SOURCES), in path order."""
+    digest = hashlib.sha256()
+    for path in sorted(p for pattern in KERNEL_SOURCES for p in PACKAGE.glob(pattern)):
+        digest.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -34,8 +48,14 @@ class Library:
     path: pathlib.Path
     arch: str
     dsl: str
+    sources: str  # source_digest() where it was built
     calls: dict  # name → description
     handle: ctypes.CDLL
+
+    @property
+    def stale(self) -> bool:
+        """Built from other kernel sources than this package's."""
+        return self.sources != source_digest()
 
     @functools.cache
     def register(self) -> tuple[str, ...]:
@@ -61,7 +81,8 @@ def load(path: pathlib.Path) -> Library:
     manifest = getattr(handle, MANIFEST_SYMBOL)
     manifest.restype = ctypes.c_char_p
     info = json.loads(manifest())
-    return Library(path, info["arch"], info["dsl"], info["calls"], handle)
+    return Library(path, info["arch"], info["dsl"], info.get("sources", "unknown"), info["calls"],
+                   handle)
 
 
 def library() -> Library | None:

@@ -136,7 +136,7 @@ def build(tps, num_layers, out: pathlib.Path, jobs: int) -> dict:
         (gen / f"handlers_{i // HANDLERS_PER_FILE:03d}.cc").write_text(
             handler_source(items[i:i + HANDLERS_PER_FILE]))
     manifest = {"arch": ARCH, "dsl": importlib.metadata.version("nvidia-cutlass-dsl"),
-                "tp": list(tps), "layers": num_layers,
+                "sources": native.source_digest(), "tp": list(tps), "layers": num_layers,
                 "calls": {name: call.description for name, (call, _, _) in calls.items()}}
     (gen / "handlers_manifest.cc").write_text(manifest_source(manifest))
     cmake = out / "cmake"

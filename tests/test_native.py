@@ -66,7 +66,7 @@ def test_library_holds_every_catalog_call(built):
     want = native_build.record_calls(TPS, LAYERS)
     assert set(library.calls) == set(want)
     assert f": {len(want)} kernel calls for TP 2, {LAYERS} layers" in report
-    assert library.arch == "sm_90a"
+    assert library.arch == "sm_90a" and not library.stale
     needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]",
                             subprocess.run(["readelf", "-d", str(path)], capture_output=True,
                                            text=True, check=True).stdout))
@@ -149,6 +149,18 @@ def test_auto_compiles_what_the_library_lacks(built, monkeypatch):
     monkeypatch.setenv(native.LIBRARY_ENV, str(built[0]))
     monkeypatch.setenv(backend.KERNELS_ENV, "auto")
     assert "CuteDSLRT_NvJaxCutlassCall" in call_outside_the_catalog()
+
+
+def test_a_stale_library_is_refused(built, monkeypatch):
+    """Kernel sources changed since the build: aot refuses the library, auto compiles."""
+    monkeypatch.setenv(native.LIBRARY_ENV, str(built[0]))
+    monkeypatch.setattr(native, "source_digest", lambda: "edited")
+    monkeypatch.setenv(backend.KERNELS_ENV, "aot")
+    with pytest.raises(RuntimeError, match="built from other kernel sources than this package"):
+        call_outside_the_catalog()
+    monkeypatch.setenv(backend.KERNELS_ENV, "auto")
+    with pytest.warns(UserWarning, match="compiling the kernels instead"):
+        assert "CuteDSLRT_NvJaxCutlassCall" in call_outside_the_catalog()
 
 
 def test_aot_without_a_library_and_bad_modes_are_refused(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,6 +103,13 @@ def _from_library(call: Call) -> bool:
     if mode == "jit":
         return False
     library = native.library()
+    if library is not None and library.stale:
+        message = (f"{library.path} was built from other kernel sources than this package's: "
+                   "rebuild it (python -m jax_kimik3.native_build)")
+        if mode == "aot":
+            raise RuntimeError(f"{backend.KERNELS_ENV}=aot: {message}")
+        warnings.warn(f"{message}; compiling the kernels instead", stacklevel=2)
+        return False
     if library is not None and call.name in library.calls:
         library.register()
         return True
