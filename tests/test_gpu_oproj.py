@@ -56,12 +56,13 @@ def test_producer_rows(rng, tp, b):
 
 
 @functools.partial(jax.jit, static_argnames=("mailbox", "num_blocks", "has_delta", "parity"))
-def tail_virtual(xs, ws, inp, mailbox, *, num_blocks, has_delta, parity):
+def tail_virtual(xs, ws, inp, mailbox, ahead=None, *, num_blocks, has_delta, parity):
     from jax_kimik3.kernels import oproj
     return oproj.tail_virtual(
         xs, ws, inp.prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w, inp.out_norm_w,
         table=jnp.asarray(mailbox.peer_table), layout=mailbox.layout, parity=parity,
-        num_blocks=num_blocks, has_delta=has_delta, eps=1e-5, out_eps=1e-5, max_spins=1 << 20)
+        num_blocks=num_blocks, has_delta=has_delta, eps=1e-5, out_eps=1e-5, max_spins=1 << 20,
+        ahead=ahead)
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -87,3 +88,35 @@ def test_tail_matches_model(rng, tp, b, layer):
                                      num_blocks=site.num_blocks, has_delta=site.has_delta)
             mailbox.check()
         assert mailbox.unarmed() == 0
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("b", [1, 8, 64])
+@pytest.mark.parametrize("tp", [2, 8])
+def test_tail_statistics_ahead(rng, tp, b, layer):
+    """The tail that also returns the next site's statistics: the same (out, prefix) as the
+    model, and on every rank bitwise-equal statistics of the saved blocks under the next
+    site's weights, against float64."""
+    site = KIMI_K3.layer(layer).post_attention
+    inp, later = attn_res_inputs(rng, b, NB), attn_res_inputs(rng, b, NB)
+    x = oproj_inputs(rng, b)[0]
+    w = weight()
+    with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
+        out, prefix, stats = tail_virtual(
+            split(x, tp), split(w, tp), jax.device_put(inp), mailbox,
+            (later.res_norm_w, later.res_proj_w), num_blocks=site.num_blocks,
+            has_delta=site.has_delta, parity=KIMI_K3.layer(layer).parity)
+        out, prefix, mixture, scal = map(np.asarray, (out, prefix, *stats))
+        mailbox.check()
+        assert mailbox.unarmed() == 0
+    oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=tp, num_blocks=site.num_blocks,
+                             has_delta=site.has_delta)
+    for r in range(1, tp):
+        np.testing.assert_array_equal(mixture[r], mixture[0])
+        np.testing.assert_array_equal(scal[r], scal[0])
+    k = site.num_blocks
+    acc, m, s = oracle.statistics(inp.blocks, later.res_norm_w, later.res_proj_w, num_blocks=k)
+    np.testing.assert_allclose(scal[0], np.stack([m, s], -1), rtol=oracle.F32_RTOL,
+                               atol=oracle.F32_RTOL)
+    scale = np.abs(oracle.f64(inp.blocks)[:, :k]).sum(1)
+    assert (np.abs(oracle.f64(mixture[0]) - acc) <= oracle.F32_RTOL * scale).all()

@@ -4,7 +4,8 @@
    (one-shot): the producer kernel (kernels/producer.py, published straight from the GEMM)
    where `tuning.use_producer` says it wins, else XLA's dot and the Lamport publish kernel;
 2. consumer (kernels/attn_res.py with a ring input): polls this rank's T slots, sums them in
-   rank order, re-arms them and runs the post-attention AttnRes on the result.
+   rank order, re-arms them and runs the post-attention AttnRes on the result; with `ahead`
+   weights it also stores the saved blocks' statistics for the next call site.
 """
 
 from __future__ import annotations
@@ -27,20 +28,22 @@ def produce(x, w, table, rank, *, layout, parity, multicast=False):
 
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, rank,
                    layout, parity, num_blocks, has_delta, eps, out_eps, multicast=False,
-                   max_spins=lamport.MAX_SPINS):
-    """One rank's post-attention tail through the mailbox: (out, new_prefix, new_blocks)."""
+                   max_spins=lamport.MAX_SPINS, ahead=None):
+    """One rank's post-attention tail through the mailbox: (out, new_prefix, new_blocks), and
+    with `ahead` (a later site's res_norm_w, res_proj_w) the saved blocks' statistics."""
     token = produce(x, w, table, rank, layout=layout, parity=parity, multicast=multicast)
     ring = attn_res_kernels.Ring(layout, parity, max_spins, has_delta, table, rank, token)
     return attn_res_kernels.attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                                      num_blocks=num_blocks, delta=None, write_idx=-1, eps=eps,
-                                     out_eps=out_eps, stats=None, ring=ring)
+                                     out_eps=out_eps, stats=None, ring=ring, ahead=ahead)
 
 
 def tail_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, layout,
-                 parity, num_blocks, has_delta, eps, out_eps, max_spins=lamport.MAX_SPINS):
+                 parity, num_blocks, has_delta, eps, out_eps, max_spins=lamport.MAX_SPINS,
+                 ahead=None):
     """Every rank on one GPU, from the ranks' shards x [T, B, K/T] and w [T, H, K/T]: every
     producer, then every rank's AttnRes consumer. Returns each rank's (out, new_prefix):
-    [T, B, H] each."""
+    [T, B, H] each, and with `ahead` each rank's statistics (mixture [T, B, H], scal [T, B, 2])."""
     tp = x.shape[0]
     ranks = [jnp.full((1,), r, jnp.int32) for r in range(tp)]
     tokens = jnp.concatenate([produce(x[r], w[r], table, ranks[r], layout=layout, parity=parity)
@@ -48,6 +51,10 @@ def tail_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, ta
     results = [attn_res_kernels.attn_res(
         prefix, blocks, res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks, delta=None,
         write_idx=-1, eps=eps, out_eps=out_eps, stats=None,
-        ring=attn_res_kernels.Ring(layout, parity, max_spins, has_delta, table, ranks[r], tokens))
+        ring=attn_res_kernels.Ring(layout, parity, max_spins, has_delta, table, ranks[r], tokens),
+        ahead=ahead)
         for r in range(tp)]
-    return jnp.stack([r[0] for r in results]), jnp.stack([r[1] for r in results])
+    out, prefix = (jnp.stack([r[i] for r in results]) for i in (0, 1))
+    if ahead is None:
+        return out, prefix
+    return out, prefix, tuple(jnp.stack([r[3][i] for r in results]) for i in (0, 1))
