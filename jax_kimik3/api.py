@@ -63,10 +63,11 @@ def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps=1e-5,
 
 
 @functools.partial(jax.jit, static_argnames=("axis_name", "num_blocks", "has_delta", "eps",
-                                             "out_eps", "mailbox", "parity", "backend"))
+                                             "out_eps", "mailbox", "parity", "two_shot",
+                                             "backend"))
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
                    num_blocks, has_delta, eps=1e-5, out_eps=1e-5, mailbox=None, parity=0,
-                   peer_table=None, ahead=None, backend: Backend = "auto"):
+                   peer_table=None, ahead=None, two_shot=None, backend: Backend = "auto"):
     """Row-parallel o_proj, its all-reduce over `axis_name`, then the post-attention AttnRes.
 
     Call inside `shard_map`: x [B, K_local] and w [H, K_local] are this rank's shards.
@@ -79,7 +80,9 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
     `ahead=(res_norm_w, res_proj_w)` of a later call site that mixes the same saved blocks
     (the next layer's pre-attention, or the final call): their statistics under those weights,
     as `attn_res_statistics` gives them, come back as a fourth result; the kernel path stores
-    them from the blocks it reads anyway, so the later call reads no block.
+    them from the blocks it reads anyway, so the later call reads no block. `two_shot`
+    (kernels): True or False forces the two-shot or one-shot all-reduce; None takes the
+    measured table (jax_kimik3/tuning.py).
     """
     check = Checker("oproj_attn_res")
     rows = check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
@@ -106,7 +109,8 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
             x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
             table=_table(mailbox, peer_table), rank=rank, layout=mailbox.layout, parity=parity,
             num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
-            multicast=mailbox.multicast, ahead=None if ahead is None else tuple(ahead))
+            multicast=mailbox.multicast, ahead=None if ahead is None else tuple(ahead),
+            two_shot=two_shot)
     results = reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                                        axis_name=axis_name, num_blocks=num_blocks,
                                        has_delta=has_delta, eps=eps, out_eps=out_eps)

@@ -21,3 +21,12 @@ def use_producer(batch: int, k: int) -> bool:
     """Whether the tail's o_proj runs on the producer kernel (else XLA's dot + publish)."""
     low, high = PRODUCER_BATCHES.get(k, (1, 0))
     return low <= batch <= high
+
+
+TWO_SHOT_BATCHES: dict[int, int] = {}  # TP → smallest B where the two-shot tail wins
+
+
+def use_two_shot(batch: int, tp: int) -> bool:
+    """Whether the tail's all-reduce runs two-shot (owners reduce column chunks) for `batch`
+    rows at `tp` ranks (else one-shot)."""
+    return tp in TWO_SHOT_BATCHES and batch >= TWO_SHOT_BATCHES[tp]

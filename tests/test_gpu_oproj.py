@@ -55,14 +55,16 @@ def test_producer_rows(rng, tp, b):
     assert (err <= bound).all(), f"{(~(err <= bound)).sum()} elements off (NaN: unwritten)"
 
 
-@functools.partial(jax.jit, static_argnames=("mailbox", "num_blocks", "has_delta", "parity"))
-def tail_virtual(xs, ws, inp, mailbox, ahead=None, *, num_blocks, has_delta, parity):
+@functools.partial(jax.jit, static_argnames=("mailbox", "num_blocks", "has_delta", "parity",
+                                             "two_shot"))
+def tail_virtual(xs, ws, inp, mailbox, ahead=None, *, num_blocks, has_delta, parity,
+                 two_shot=False):
     from jax_kimik3.kernels import oproj
     return oproj.tail_virtual(
         xs, ws, inp.prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w, inp.out_norm_w,
         table=jnp.asarray(mailbox.peer_table), layout=mailbox.layout, parity=parity,
         num_blocks=num_blocks, has_delta=has_delta, eps=1e-5, out_eps=1e-5, max_spins=1 << 20,
-        ahead=ahead)
+        ahead=ahead, two_shot=two_shot)
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -120,3 +122,28 @@ def test_tail_statistics_ahead(rng, tp, b, layer):
                                atol=oracle.F32_RTOL)
     scale = np.abs(oracle.f64(inp.blocks)[:, :k]).sum(1)
     assert (np.abs(oracle.f64(mixture[0]) - acc) <= oracle.F32_RTOL * scale).all()
+
+
+@pytest.mark.parametrize("layer", [0, 46])
+@pytest.mark.parametrize("b", [1, 9, 64])
+@pytest.mark.parametrize("tp", [2, 4, 8, 16])
+def test_two_shot_tail_matches_model(rng, tp, b, layer):
+    """The tail through the two-shot reduction (owners sum column chunks, the AttnRes consumer
+    polls the gather region): bitwise-equal ranks within bf16 of the model, both parities,
+    receive and gather regions re-armed."""
+    site = KIMI_K3.layer(layer).post_attention
+    inp = attn_res_inputs(rng, b, NB)
+    x = oproj_inputs(rng, b)[0]
+    w = weight()
+    with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
+        for parity in (0, 1):
+            out, prefix = map(np.asarray, tail_virtual(
+                split(x, tp), split(w, tp), jax.device_put(inp), mailbox,
+                num_blocks=site.num_blocks, has_delta=site.has_delta, parity=parity,
+                two_shot=True))
+            for r in range(1, tp):
+                np.testing.assert_array_equal(out[r].view(np.uint16), out[0].view(np.uint16))
+            oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=tp,
+                                     num_blocks=site.num_blocks, has_delta=site.has_delta)
+            mailbox.check()
+        assert mailbox.unarmed() == 0

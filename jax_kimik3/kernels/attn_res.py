@@ -6,7 +6,8 @@ thread owning one 8-wide bf16 vector. Per row:
    `write_idx` when the layer writes a block). With a Lamport ring the delta (or, when a block
    starts, p itself) is the all-reduce of the TP ranks' o_proj rows: each thread polls its
    8 columns in every rank's mailbox slot, sums them in rank order, rounds to bf16 and
-   re-arms the slots (kernels/lamport.py has the protocol);
+   re-arms the slots; after a two-shot reduction it polls the gather region instead, where
+   the columns' owners left the sum (kernels/lamport.py has the protocol);
 2. per source (the K saved blocks, then p) the partial Σv² and Σv·g·w of each thread, summed
    over the cluster through distributed shared memory (`primitives.cluster_sums`);
 3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
@@ -70,6 +71,7 @@ class AttnResVariant:
     ring: MailboxLayout | None = None  # the delta is the all-reduce of these mailbox slots
     parity: int = 0
     max_spins: int = 0
+    two_shot: bool = False  # the ring's sum waits in the gather region (two-shot owners)
     ahead: bool = False  # also store the saved blocks' statistics under a later site's weights
 
     def __post_init__(self):
@@ -237,11 +239,15 @@ class AttnResKernel:
     @cute.jit
     def ring_sum(self, table: cute.Tensor, rank, row, col):
         """This thread's 8 columns of the rank-order fp32 sum of the TP mailbox slots, rounded
-        to bf16 (as fp32); the slots are re-armed once read."""
+        to bf16 (as fp32), or of the gather region the two-shot owners filled with it; what
+        was read is re-armed."""
         lay, v = self.v.ring, self.v
         mine = address_of(table, rank)
         within = Int64(row) * lay.row_bytes + Int64(col) * VECTOR_BYTES
-        slots = [mine + lay.slot(v.parity, q) + within for q in range(lay.tp)]
+        if cutlass.const_expr(v.two_shot):
+            slots = [mine + lay.gather(v.parity) + within]
+        else:
+            slots = [mine + lay.slot(v.parity, q) + within for q in range(lay.tp)]
         acc = poll_sum(slots, v.max_spins, mine + lay.status)
         rearm(slots)
         frag = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
@@ -295,11 +301,13 @@ def statistics_kernel(num_blocks: int, eps: float) -> StatisticsKernel:
 
 class Ring(NamedTuple):
     """A Lamport mailbox as the AttnRes input: the all-reduce of the TP ranks' rows published
-    at `parity` is the delta (`has_delta`) or, starting a block, the new prefix itself."""
+    at `parity` (one-shot slots, or the gather region after the `two_shot` owners) is the
+    delta (`has_delta`) or, starting a block, the new prefix itself."""
 
     layout: MailboxLayout
     parity: int
     max_spins: int
+    two_shot: bool
     has_delta: bool
     table: Any  # uint32 [T, 2] peer table
     rank: Any  # int32 [1]
@@ -318,7 +326,7 @@ def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, 
     has_delta = delta is not None if ring is None else ring.has_delta
     variant = AttnResVariant(num_blocks, has_delta, write_idx, out_norm_w is not None,
                              stats is not None, float(eps), float(out_eps),
-                             *((None, 0, 0) if ring is None else ring[:3]),
+                             *((None, 0, 0, False) if ring is None else ring[:4]),
                              ahead=ahead is not None)
     mixture, scal = (None, None) if stats is None else stats
     row = jax.ShapeDtypeStruct(prefix.shape, jnp.bfloat16)
@@ -328,7 +336,7 @@ def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, 
         outputs += [jax.ShapeDtypeStruct((b, h), jnp.float32),
                     jax.ShapeDtypeStruct((b, 2), jnp.float32)]
     inputs = [prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w, out_norm_w,
-              *(ahead or (None, None)), *((None,) * 3 if ring is None else ring[4:])]
+              *(ahead or (None, None)), *((None,) * 3 if ring is None else ring[5:])]
     aliases = {}
     if write_idx >= 0:  # the block write updates `blocks` in place
         aliases[2] = len(outputs)

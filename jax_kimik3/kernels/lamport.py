@@ -217,6 +217,15 @@ def publish(rows, table, rank, *, layout, parity, two_shot=False, multicast=Fals
                                                      rows if after is None else after)
 
 
+def reduce_chunk(table, rank, after, *, layout, parity, batch, max_spins=MAX_SPINS,
+                 multicast=False):
+    """Two-shot owner `rank`: its column chunk of the `batch` rows, summed over the receive
+    slots and sent to every rank's gather region, once `after` (the publishes' tokens) is done;
+    returns its token."""
+    return cutlass_call(_owner(layout, parity, batch, max_spins, multicast),
+                        output_shape_dtype=_token())(table, rank, after)
+
+
 def all_reduce(rows, table, rank, *, layout, parity, two_shot=False, multicast=False,
                max_spins=MAX_SPINS, after=None):
     """One rank's all-reduced rows [B, H] bf16 (inside shard_map: `rank` = its axis index [1]);
@@ -225,8 +234,8 @@ def all_reduce(rows, table, rank, *, layout, parity, two_shot=False, multicast=F
     token = publish(rows, table, rank, layout=layout, parity=parity, two_shot=two_shot,
                     multicast=multicast, after=after)
     if two_shot:
-        token = cutlass_call(_owner(layout, parity, batch, max_spins, multicast),
-                             output_shape_dtype=_token())(table, rank, token)
+        token = reduce_chunk(table, rank, token, layout=layout, parity=parity, batch=batch,
+                             max_spins=max_spins, multicast=multicast)
     return cutlass_call(_consumer(layout, parity, two_shot, max_spins),
                         output_shape_dtype=jax.ShapeDtypeStruct(rows.shape, rows.dtype))(
         table, rank, token)
@@ -244,9 +253,8 @@ def all_reduce_virtual(partials, table, *, layout, parity, two_shot=False, max_s
                                       two_shot=two_shot, after=after) for r in range(tp)])
     if two_shot:
         tokens = jnp.concatenate([
-            cutlass_call(_owner(layout, parity, batch, max_spins, False),
-                         output_shape_dtype=_token())(table, ranks[r], tokens)
-            for r in range(tp)])
+            reduce_chunk(table, ranks[r], tokens, layout=layout, parity=parity, batch=batch,
+                         max_spins=max_spins) for r in range(tp)])
     out = jax.ShapeDtypeStruct(partials.shape[1:], partials.dtype)
     return jnp.stack([
         cutlass_call(_consumer(layout, parity, two_shot, max_spins), output_shape_dtype=out)(
