@@ -96,7 +96,7 @@ def test_fused_refuses_what_it_does_not_do():
     from jax_kimik3.kernels.attn_res import AttnResVariant
     layout = MailboxLayout(8)
     ring = AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5, layout, 0, 10)
-    with pytest.raises(ValueError, match="must read a ring"):
+    with pytest.raises(ValueError, match="must read a one-shot ring"):
         oproj.OprojAttnResFused(1, 8, 1536, producer.Publish(layout, 0, False, False),
                                 AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5))
     with pytest.raises(ValueError, match="one-shot publish into the ring's slots"):
