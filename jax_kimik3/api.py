@@ -74,7 +74,8 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
     Returns (out, new_prefix, new_blocks); without `has_delta` the new prefix is the reduced
     attn_out (a new block starts) and `prefix` is not read. With a `mailbox` (one buffer per
     rank of `axis_name`) and `parity` (layer % 2) the all-reduce and AttnRes run as kernels:
-    the o_proj producer publishes, then an AttnRes kernel sums the mailbox slots; without one,
+    the o_proj producer publishes, then an AttnRes kernel sums the mailbox slots (in one fused
+    launch or two, or with XLA's dot, as `tuning.TAIL_VARIANTS` says for B, K); without one,
     XLA's dot, psum and the reference. `mailbox` may be a `MailboxSpec` with the peer table
     passed as the `peer_table` operand (for steps exported or compiled ahead of time).
     `ahead=(res_norm_w, res_proj_w)` of a later call site that mixes the same saved blocks

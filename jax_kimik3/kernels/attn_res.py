@@ -174,9 +174,22 @@ class AttnResKernel:
                res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
                ahead_proj_w, table, rank_t, out: cute.Tensor, new_prefix, ahead_mixture,
                ahead_scal):
-        v = self.v
         tidx, _, _ = cute.arch.thread_idx()
         cta, row, _ = cute.arch.block_idx()
+        self.row(tidx, cta, row, prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w,
+                 out_norm_w, ahead_norm_w, ahead_proj_w, table, rank_t, out, new_prefix,
+                 ahead_mixture, ahead_scal)
+
+    @cute.jit
+    def row(self, tidx, cta, row, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture,
+            scal, res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
+            ahead_proj_w, table, rank_t, out: cute.Tensor, new_prefix, ahead_mixture,
+            ahead_scal):
+        """Thread `tidx` of cluster CTA `cta` on token row `row` (steps 1-4 of the module
+        docstring); the tensors as `kernel` takes them. Called by THREADS threads of each of
+        the cluster's CLUSTER CTAs (it has CTA and cluster barriers: any other thread of the
+        CTA must have exited); the fused tail kernel calls it too."""
+        v = self.v
         cute.arch.cluster_arrive_relaxed()  # peers' shared memory must exist before DSMEM stores
         col = cta * THREADS + tidx
         n = self.exchanged
