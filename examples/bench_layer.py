@@ -8,7 +8,7 @@ tail (a TP mesh of every local GPU): the kernel tail (`oproj_attn_res` with a ma
   and on several GPUs the reference with XLA's one-shot all-reduce kernel (a child process,
   as in bench_all_reduce.py). Each timed call runs two layers (parity 0, then 1) with their
   own o_proj weights; the AttnRes is a delta layer over K = 8 saved blocks.
-tail --variants fused,split[,xla]: the kernel tail's variants side by side, per (TP, B), with
+tail --variants fused,split[,xla,two_shot]: the kernel tail's variants side by side, per (TP, B), with
   the choice of `tuning.TAIL_VARIANTS` beside them (the numbers that table wants): on several
   GPUs on the mesh of all of them (each rank's own launch), on one GPU in virtual TP for each
   of --tps (every rank's mailbox on the one GPU and every rank's work in one chain: the fused
@@ -55,7 +55,7 @@ def parse_args(argv=None):
     parser.add_argument("--sets", type=int, default=4, help="input sets (two layers each)")
     parser.add_argument("--variants", default="",
                         help="tail part: also time these kernel tail variants side by side "
-                             "(of fused,split,xla)")
+                             "(of fused,split,xla; two_shot: split with the two-shot all-reduce)")
     parser.add_argument("--plot", nargs="+", metavar="JSON",
                         help="only draw bench_layer.png in --out from these recorded results")
     parser.add_argument("--reference-only", action="store_true",
@@ -171,9 +171,10 @@ def variant_rows(args):
             def layers(variant, rank, prefix, out, x0, w0, x1, w1):
                 for parity, (x, w) in enumerate(((x0, w0), (x1, w1))):
                     x = x + 0 * out[..., :1]  # this layer waits for the last one (decode)
+                    two_shot = variant == "two_shot"
                     kw = dict(table=table, layout=mailbox.layout, parity=parity,
                               num_blocks=NUM_BLOCKS, has_delta=True, eps=1e-5, out_eps=1e-5,
-                              variant=variant)
+                              variant="split" if two_shot else variant, two_shot=two_shot)
                     args_ = (x, w, prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w,
                              inp.out_norm_w)
                     if rank is None:
