@@ -8,10 +8,17 @@ tail (a TP mesh of every local GPU): the kernel tail (`oproj_attn_res` with a ma
   and on several GPUs the reference with XLA's one-shot all-reduce kernel (a child process,
   as in bench_all_reduce.py). Each timed call runs two layers (parity 0, then 1) with their
   own o_proj weights; the AttnRes is a delta layer over K = 8 saved blocks.
+tail --variants fused,split[,xla,two_shot]: the kernel tail's variants side by side, per (TP, B), with
+  the choice of `tuning.TAIL_VARIANTS` beside them (the numbers that table wants): on several
+  GPUs on the mesh of all of them (each rank's own launch), on one GPU in virtual TP for each
+  of --tps (every rank's mailbox on the one GPU and every rank's work in one chain: the fused
+  variant is one launch for all ranks, the others 2·TP launches, so the µs are a whole TP
+  group's, not one rank's; they rank the variants by launch count and overlap, not by NVLink).
 Each call's x waits for the previous call's result (x + 0·y[:, :1], as through attention in
 decode; a ~1 µs fusion on both sides), and the input sets together overflow the L2. Writes bench_layer_oproj/_tail .json and .md to --out.
 
     python examples/bench_layer.py --out /tmp/bench
+    python examples/bench_layer.py --parts tail --variants fused,split,xla --batches 1,2,4,8,16
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ def parse_args(argv=None):
     parser.add_argument("--batches", default="1,2,8,16,64")
     parser.add_argument("--tps", default="1,2,4,8,16", help="oproj part: K = 12288 / TP")
     parser.add_argument("--sets", type=int, default=4, help="input sets (two layers each)")
+    parser.add_argument("--variants", default="",
+                        help="tail part: also time these kernel tail variants side by side "
+                             "(of fused,split,xla; two_shot: split with the two-shot all-reduce)")
     parser.add_argument("--plot", nargs="+", metavar="JSON",
                         help="only draw bench_layer.png in --out from these recorded results")
     parser.add_argument("--reference-only", action="store_true",
@@ -126,6 +136,74 @@ def tail_times(args):
     return times
 
 
+def variant_rows(args):
+    """µs per layer of each of --variants per (TP, B): the mesh of every local GPU, or on one
+    GPU virtual TP at each of --tps. Each row also names the fastest and the table's choice."""
+    from jax_kimik3 import tuning
+    from jax_kimik3.kernels import oproj
+
+    variants = args.variants.split(",")
+    devices = jax.devices()
+    rng = np.random.default_rng(0)
+    rows = []
+    on_mesh = len(devices) > 1
+    for tp in [len(devices)] if on_mesh else map(int, args.tps.split(",")):
+        k = K_TOTAL // tp
+        mailbox = (k3.Mailbox.for_devices(devices) if on_mesh
+                   else k3.Mailbox.virtual(devices[0], tp))
+        table = jnp.asarray(mailbox.peer_table)
+        if on_mesh:
+            mesh = Mesh(np.array(devices), ("tp",))
+            place = NamedSharding(mesh, P(None, "tp"))
+            shard = lambda a: jax.device_put(a, place)  # noqa: E731
+        else:  # [.., K] → [TP, .., K / TP]: each rank's shard, stacked
+            shard = lambda a: jax.device_put(  # noqa: E731
+                jnp.moveaxis(jnp.asarray(a).reshape(*a.shape[:-1], tp, k), -2, 0))
+        weights = [shard(oproj_inputs(rng, 1)[1]) for _ in range(2 * args.sets)]
+        for b in map(int, args.batches.split(",")):
+            inp = jax.device_put(attn_res_inputs(rng, b, NB),
+                                 NamedSharding(mesh, P()) if on_mesh else None)
+            xs = [shard(np.asarray(jnp.asarray(rng.standard_normal((b, K_TOTAL), np.float32),
+                                               jnp.bfloat16))) for _ in weights]
+            sets = [[a for layer in (2 * i, 2 * i + 1) for a in (xs[layer], weights[layer])]
+                    for i in range(args.sets)]
+
+            def layers(variant, rank, prefix, out, x0, w0, x1, w1):
+                for parity, (x, w) in enumerate(((x0, w0), (x1, w1))):
+                    x = x + 0 * out[..., :1]  # this layer waits for the last one (decode)
+                    two_shot = variant == "two_shot"
+                    kw = dict(table=table, layout=mailbox.layout, parity=parity,
+                              num_blocks=NUM_BLOCKS, has_delta=True, eps=1e-5, out_eps=1e-5,
+                              variant="split" if two_shot else variant, two_shot=two_shot)
+                    args_ = (x, w, prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w,
+                             inp.out_norm_w)
+                    if rank is None:
+                        outs, prefixes = oproj.tail_virtual(*args_, **kw)
+                        out, prefix = outs[0], prefixes[0]
+                    else:
+                        out, prefix, _ = oproj.oproj_attn_res(*args_, rank=rank, **kw)
+                return prefix, out
+
+            def step(carry, layer_inputs, variant):
+                if not on_mesh:
+                    return layers(variant, None, *carry, *layer_inputs)
+                return jax.shard_map(
+                    lambda *a: layers(variant, jax.lax.axis_index("tp").astype(jnp.int32)
+                                      .reshape(1), *a),
+                    mesh=mesh, in_specs=(P(), P()) + (P(None, "tp"),) * 4,
+                    out_specs=(P(), P()))(*carry, *layer_inputs)
+
+            carry = (inp.prefix, inp.prefix)
+            times = {v: time_per_call(lambda c, s, v=v: step(c, s, v), carry, sets) / 2
+                     for v in variants}
+            mailbox.check()
+            rows.append(dict(mode="mesh" if on_mesh else "virtual", tp=tp, k=k, batch=b,
+                             table=tuning.tail_variant(b, k), best=min(times, key=times.get),
+                             **{f"{v}_us": t for v, t in times.items()}))
+        mailbox.close()
+    return rows
+
+
 def plot(out, results):
     """bench_layer.png: o_proj share of copy bandwidth per B (producer, XLA's dot) for each K,
     and the tail's µs per B (kernels, reference) for each TP. `results`: loaded JSON records."""
@@ -144,7 +222,7 @@ def plot(out, results):
                           label=f"producer K={k}")
                 left.plot(batches, [r["of_copy"] * r["producer_us"] / r["xla_dot_us"]
                                     for r in mine], "x--", color=f"C{i}", label=f"XLA dot K={k}")
-        else:
+        elif "kernel_us" in rows[0]:
             tp = rows[0]["tp"]
             batches = [r["batch"] for r in rows]
             right.plot(batches, [r["kernel_us"] for r in rows], "o-", label=f"kernels TP{tp}")
@@ -202,6 +280,13 @@ def main(argv=None):
                          ("reference µs", "{reference_us:.2f}"),
                          ("reference + XLA one-shot µs", "{reference_one_shot_us:.2f}"),
                          ("speedup", "{speedup:.2f}x"), ("o_proj floor µs", "{floor_us:.2f}")])
+    if "tail" in parts and args.variants:
+        rows = variant_rows(args)
+        report.write(args.out, "bench_layer_tail_variants", info, rows,
+                     "Post-attention tail per layer by kernel variant (tuning.TAIL_VARIANTS)", [
+                         ("mode", "{mode}"), ("TP", "{tp}"), ("K", "{k}"), ("B", "{batch}"),
+                         *((f"{v} µs", f"{{{v}_us:.2f}}") for v in args.variants.split(",")),
+                         ("fastest", "{best}"), ("table", "{table}")])
     try:
         plot(args.out, [json.loads(p.read_text())
                         for p in sorted(pathlib.Path(args.out).glob("bench_layer_*.json"))])

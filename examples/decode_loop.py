@@ -44,7 +44,8 @@ def parse_args(argv=None):
     parser.add_argument("--check", action="store_true",
                         help="also run the reference step and compare (kernel runs)")
     parser.add_argument("--stats-ahead", action="store_true",
-                        help="compute each pre-attention's block statistics one layer early")
+                        help="each post-attention tail also computes the next call site's "
+                             "block statistics (bind ahead); that call then reads no block")
     parser.add_argument("--export", metavar="FILE", help="write the kernel step for CUDA, stop")
     parser.add_argument("--load", metavar="FILE", help="run the step exported to FILE")
     return parser.parse_args(argv)
@@ -107,24 +108,24 @@ def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbo
                 stats_ahead=False):
     """One decode step through `num_layers` layers and the final AttnRes (inside shard_map);
     `mailbox` is a MailboxSpec (kernels) or None, `table` its peer table operand. With
-    `stats_ahead`, layer i + 1's pre-attention statistics are computed right after layer i's
-    pre-attention (its last block write), a layer before they are needed."""
+    `stats_ahead`, layer i's post-attention tail also returns the statistics of the saved
+    blocks for the next call site (layer i + 1's pre-attention, or the final AttnRes)."""
     tails = [k3.AttentionTail(CFG.layer(i), axis_name="tp", mailbox=mailbox, backend=backend)
              for i in range(num_layers)]
     layers = params["layers"]
-    prefix, delta = embedding, None
-    stats = tails[0].pre_attention_statistics(layers[0]["pre"], blocks) if stats_ahead else None
+    prefix, delta, stats = embedding, None, None  # layer 0's pre-attention mixes no block
     for i, tail in enumerate(tails):
         layer = layers[i]
         hidden, prefix, blocks = tail.pre_attention(layer["pre"], prefix, blocks, delta, stats)
-        if stats_ahead and i + 1 < num_layers:
-            stats = tails[i + 1].pre_attention_statistics(layers[i + 1]["pre"], blocks)
         x = jnp.dot(hidden, params["attention"]).astype(jnp.bfloat16)  # this rank's heads
-        hidden, prefix, blocks = tail.post_attention(layer["post"], x, layer["o_proj"], prefix,
-                                                     blocks, peer_table=table)
+        following = layers[i + 1]["pre"] if i + 1 < num_layers else params["final"]
+        results = tail.post_attention(layer["post"], x, layer["o_proj"], prefix, blocks,
+                                      peer_table=table, ahead=following if stats_ahead else None)
+        hidden, prefix, blocks = results[:3]
+        stats = results[3] if stats_ahead else None
         delta = jnp.dot(hidden, params["mlp"]).astype(jnp.bfloat16)
-    out = k3.final_attn_res(params["final"], prefix, blocks, delta, num_layers=num_layers,
-                            backend=backend)
+    out = k3.final_attn_res(params["final"], prefix, blocks, delta, stats=stats,
+                            num_layers=num_layers, backend=backend)
     return out, blocks
 
 

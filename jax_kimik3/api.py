@@ -63,25 +63,39 @@ def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps=1e-5,
 
 
 @functools.partial(jax.jit, static_argnames=("axis_name", "num_blocks", "has_delta", "eps",
-                                             "out_eps", "mailbox", "parity", "backend"))
+                                             "out_eps", "mailbox", "parity", "two_shot",
+                                             "backend"))
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
                    num_blocks, has_delta, eps=1e-5, out_eps=1e-5, mailbox=None, parity=0,
-                   peer_table=None, backend: Backend = "auto"):
+                   peer_table=None, ahead=None, two_shot=None, backend: Backend = "auto"):
     """Row-parallel o_proj, its all-reduce over `axis_name`, then the post-attention AttnRes.
 
     Call inside `shard_map`: x [B, K_local] and w [H, K_local] are this rank's shards.
     Returns (out, new_prefix, new_blocks); without `has_delta` the new prefix is the reduced
     attn_out (a new block starts) and `prefix` is not read. With a `mailbox` (one buffer per
     rank of `axis_name`) and `parity` (layer % 2) the all-reduce and AttnRes run as kernels:
-    the o_proj producer publishes, then an AttnRes kernel sums the mailbox slots; without one,
+    the o_proj producer publishes, then an AttnRes kernel sums the mailbox slots (in one fused
+    launch or two, or with XLA's dot, as `tuning.TAIL_VARIANTS` says for B, K); without one,
     XLA's dot, psum and the reference. `mailbox` may be a `MailboxSpec` with the peer table
     passed as the `peer_table` operand (for steps exported or compiled ahead of time).
+    `ahead=(res_norm_w, res_proj_w)` of a later call site that mixes the same saved blocks
+    (the next layer's pre-attention, or the final call): their statistics under those weights,
+    as `attn_res_statistics` gives them, come back as a fourth result; the kernel path stores
+    them from the blocks it reads anyway, so the later call reads no block. `two_shot`
+    (kernels): True or False forces the two-shot or one-shot all-reduce; None takes the
+    measured table (jax_kimik3/tuning.py).
     """
     check = Checker("oproj_attn_res")
     rows = check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                           num_blocks=num_blocks, eps=eps, out_eps=out_eps)
     if rows is not None and check.array("x", x, (rows[0], None), jnp.bfloat16):
         check.array("w", w, (rows[1], x.shape[1]), jnp.bfloat16)
+    if ahead is not None and rows is not None:
+        if not (isinstance(ahead, (tuple, list)) and len(ahead) == 2):
+            check.fail(f"ahead must be a (res_norm_w, res_proj_w) pair, got {type(ahead).__name__}")
+        else:
+            check_weights(check, rows[1], eps, **{"ahead[0] (res_norm_w)": ahead[0],
+                                                  "ahead[1] (res_proj_w)": ahead[1]})
     check_backend(check, backend)
     if mailbox is not None:
         check_mailbox_rows(check, prefix, "prefix", mailbox, parity, axis_name, peer_table)
@@ -96,10 +110,15 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
             x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
             table=_table(mailbox, peer_table), rank=rank, layout=mailbox.layout, parity=parity,
             num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
-            multicast=mailbox.multicast)
-    return reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-                                    axis_name=axis_name, num_blocks=num_blocks,
-                                    has_delta=has_delta, eps=eps, out_eps=out_eps)
+            multicast=mailbox.multicast, ahead=None if ahead is None else tuple(ahead),
+            two_shot=two_shot)
+    results = reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                                       axis_name=axis_name, num_blocks=num_blocks,
+                                       has_delta=has_delta, eps=eps, out_eps=out_eps)
+    if ahead is None:
+        return results
+    return (*results, reference.attn_res_statistics(blocks, *ahead, num_blocks=num_blocks,
+                                                    eps=eps))
 
 
 @functools.partial(jax.jit, static_argnames=("mailbox", "axis_name", "parity", "two_shot",

@@ -65,19 +65,26 @@ class AttentionTail:
                                        backend=self.backend)
 
     def post_attention(self, weights: AttnResWeights, x, o_proj, prefix, blocks,
-                       peer_table=None):
+                       peer_table=None, ahead: AttnResWeights | None = None):
         """(MLP input, new prefix, new blocks) from this rank's attention output x [B, K_local]
-        and o_proj shard [H, K_local]: o_proj, the all-reduce over `axis_name`, the mix."""
+        and o_proj shard [H, K_local]: o_proj, the all-reduce over `axis_name`, the mix.
+
+        `ahead`: the next call site's weights (layer i + 1's pre-attention, or after the last
+        layer the final call's), which mixes the same saved blocks: its statistics come back
+        as a fourth result, for its `stats=`."""
         site = self.plan.post_attention
         return api.oproj_attn_res(
             x, o_proj, prefix, blocks, *weights, axis_name=self.axis_name,
             num_blocks=site.num_blocks, has_delta=site.has_delta, mailbox=self.mailbox,
-            parity=self.plan.parity, peer_table=peer_table, backend=self.backend)
+            parity=self.plan.parity, peer_table=peer_table,
+            ahead=None if ahead is None else (ahead.res_norm_w, ahead.res_proj_w),
+            backend=self.backend)
 
 
-def final_attn_res(weights: AttnResWeights, prefix, blocks, delta, *, num_layers=KIMI_K3.num_layers,
-          backend: Backend = "auto"):
-    """The AttnRes after the last of `num_layers` layers (model.norm as the output norm)."""
+def final_attn_res(weights: AttnResWeights, prefix, blocks, delta, *, stats=None,
+                   num_layers=KIMI_K3.num_layers, backend: Backend = "auto"):
+    """The AttnRes after the last of `num_layers` layers (model.norm as the output norm);
+    `stats` from the last layer's `post_attention(ahead=)` stand in for the saved blocks."""
     site = KIMI_K3.final(num_layers)
     return api.attn_res(prefix, blocks, *weights, num_blocks=site.num_blocks,
-                        delta=_delta(site, delta), backend=backend)[0]
+                        delta=_delta(site, delta), stats=stats, backend=backend)[0]

@@ -61,7 +61,9 @@ def test_exported_decode_step_runs_without_the_dsl(tmp_path):
     assert got["platforms"] == ["cuda"] and got["devices"] == 2 and not got["dsl"]
     assert got["table"] == "uint32[3,2]"
     # Each kernel's custom call holds its host object and, inside that, its cubin: two ELFs.
-    assert got["calls"] >= 5 and got["objects"] == 2 * got["calls"]
+    # At least: each layer's pre-attention AttnRes and its tail (fused at B = 4, TP 2: one
+    # call), and the final AttnRes.
+    assert got["calls"] >= 4 and got["objects"] == 2 * got["calls"]
 
 
 def test_register_runtime_without_a_library_needs_the_dsl(monkeypatch):

@@ -65,6 +65,16 @@ def test_plan_is_consistent_across_layers():
     assert len(k3.KIMI_K3.layers()) == 93 and math.ceil(93 / 12) == 8
 
 
+def test_post_attention_mixes_the_blocks_of_the_next_site():
+    """Statistics ahead rest on this: layer i's post-attention mixes exactly the saved blocks
+    that the next call site mixes (layer i + 1's pre-attention, or the final call)."""
+    for n in range(1, 94):
+        for i in range(n):
+            following = (k3.KIMI_K3.layer(i + 1).pre_attention if i + 1 < n
+                         else k3.KIMI_K3.final(n))
+            assert k3.KIMI_K3.layer(i).post_attention.num_blocks == following.num_blocks, (n, i)
+
+
 @pytest.mark.parametrize("index", [-1, 93])
 def test_layer_out_of_range(index):
     with pytest.raises(ValueError, match=rf"layer index={index} must be in \[0, 93\)"):

@@ -91,6 +91,33 @@ def test_statistics_kernel_matches_reference(rng, b, k):
     assert (err <= oracle.F32_RTOL * scale).all(), f"mixture off by {np.nanmax(err):.3g}"
 
 
+@pytest.mark.parametrize("k", (1, 4, 8))
+@pytest.mark.parametrize("b", BATCHES)
+def test_statistics_ahead_match_reference(rng, b, k):
+    """The AttnRes kernel that also stores a later site's statistics: every output poisoned,
+    out and prefix as without them, the statistics as the statistics kernel's."""
+    from jax_kimik3.kernels import attn_res_ops as kernels
+
+    inp, later = (jax.device_put(attn_res_inputs(rng, b, NB)) for _ in range(2))
+    into = (poisoned((b, 7168), jnp.bfloat16), poisoned((b, 7168), jnp.bfloat16),
+            poisoned((b, 7168), jnp.float32), poisoned((b, 2), jnp.float32))
+    args = lambda i: (i.prefix, i.blocks, i.res_norm_w, i.res_proj_w, i.out_norm_w)
+    static = dict(num_blocks=k, write_idx=-1, eps=1e-5, out_eps=1e-5, stats=None)
+    out, prefix, _, (mixture, scal) = jax.jit(lambda i, j, p: kernels.attn_res(
+        *args(i), delta=i.delta, ahead=(j.res_norm_w, j.res_proj_w), into=p, **static))(
+        inp, later, into)
+    want_out, want_prefix, _ = jax.jit(lambda i: reference.attn_res(
+        *args(i), delta=i.delta, **static))(inp)
+    np.testing.assert_array_equal(np.asarray(prefix), np.asarray(want_prefix))
+    oracle.assert_bf16_close(out, np.asarray(want_out, np.float64), "out")
+    acc, m, s = oracle.statistics(inp.blocks, later.res_norm_w, later.res_proj_w, num_blocks=k)
+    np.testing.assert_allclose(np.asarray(scal), np.stack([m, s], -1), rtol=oracle.F32_RTOL,
+                               atol=oracle.F32_RTOL)
+    scale = np.abs(oracle.f64(inp.blocks)[:, :k]).sum(1)
+    err = np.abs(oracle.f64(mixture) - acc)
+    assert (err <= oracle.F32_RTOL * scale).all(), f"mixture off by {np.nanmax(err):.3g}"
+
+
 def test_auto_backend_picks_the_kernel_on_gpu(rng):
     inp = attn_res_inputs(rng, 8, NB)
     f = jax.jit(lambda i: k3.attn_res(i.prefix, i.blocks, i.res_norm_w, i.res_proj_w,

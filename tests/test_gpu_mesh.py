@@ -59,22 +59,25 @@ def test_all_reduce_on_mesh(rng, mesh, mailbox, b, two_shot):
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "mailbox", "num_blocks", "has_delta",
-                                             "parity", "backend"))
-def tail_on_mesh(x, w, inp, *, mesh, mailbox, num_blocks, has_delta, parity, backend):
+                                             "parity", "backend", "two_shot"))
+def tail_on_mesh(x, w, inp, *, mesh, mailbox, num_blocks, has_delta, parity, backend,
+                 two_shot=None):
     """Every rank's (out, new_prefix) of `oproj_attn_res`: [T, B, H] each."""
     def tail(x, w, prefix, blocks, g, proj, out_w):
         out, new_prefix, _ = k3.oproj_attn_res(
             x, w, prefix, blocks, g, proj, out_w, axis_name="tp", num_blocks=num_blocks,
-            has_delta=has_delta, mailbox=mailbox, parity=parity, backend=backend)
+            has_delta=has_delta, mailbox=mailbox, parity=parity, two_shot=two_shot,
+            backend=backend)
         return out[None], new_prefix[None]
     return jax.shard_map(tail, mesh=mesh, in_specs=(P(None, "tp"),) * 2 + (P(),) * 5,
                          out_specs=P("tp"))(x, w, inp.prefix, inp.blocks, inp.res_norm_w,
                                             inp.res_proj_w, inp.out_norm_w)
 
 
+@pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
 @pytest.mark.parametrize("has_delta", [True, False], ids=["delta", "new_block"])
 @pytest.mark.parametrize("b", [1, 8, 33, 64])
-def test_tail_on_mesh(rng, mesh, mailbox, b, has_delta):
+def test_tail_on_mesh(rng, mesh, mailbox, b, has_delta, two_shot):
     """Kernels on every rank: bitwise-identical ranks, within bf16 of the float64 model and of
     the reference path (dot + psum + reference AttnRes) on the same mesh."""
     inp = attn_res_inputs(rng, b, NB)
@@ -84,7 +87,8 @@ def test_tail_on_mesh(rng, mesh, mailbox, b, has_delta):
                                                backend="reference", **args))
     for parity in (0, 1):
         out, prefix = map(np.asarray, tail_on_mesh(x, w, inp, mailbox=mailbox, parity=parity,
-                                                   backend="kernel", **args))
+                                                   backend="kernel", two_shot=two_shot,
+                                                   **args))
         for r in range(mailbox.tp):
             np.testing.assert_array_equal(out[r].view(np.uint16), out[0].view(np.uint16))
             np.testing.assert_array_equal(prefix[r].view(np.uint16), prefix[0].view(np.uint16))
@@ -135,3 +139,42 @@ def test_ten_thousand_steps_on_mesh(mesh, mailbox, two_shot):
             assert int(total) == 0, f"mismatches by step {step}"
             mailbox.check()
             assert mailbox.unarmed() == 0, f"unarmed words after step {step}"
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "mailbox", "num_blocks", "has_delta",
+                                             "parity", "variant"))
+def tail_variant_on_mesh(x, w, inp, *, mesh, mailbox, num_blocks, has_delta, parity, variant):
+    """Every rank's (out, new_prefix) of the kernel tail forced to `variant`: [T, B, H] each."""
+    from jax_kimik3.kernels import oproj
+
+    def tail(x, w, prefix, blocks, g, proj, out_w):
+        rank = jax.lax.axis_index("tp").astype(jnp.int32).reshape(1)
+        out, new_prefix, _ = oproj.oproj_attn_res(
+            x, w, prefix, blocks, g, proj, out_w, table=jnp.asarray(mailbox.peer_table),
+            rank=rank, layout=mailbox.layout, parity=parity, num_blocks=num_blocks,
+            has_delta=has_delta, eps=1e-5, out_eps=1e-5, max_spins=1 << 20, variant=variant)
+        return out[None], new_prefix[None]
+    return jax.shard_map(tail, mesh=mesh, in_specs=(P(None, "tp"),) * 2 + (P(),) * 5,
+                         out_specs=P("tp"))(x, w, inp.prefix, inp.blocks, inp.res_norm_w,
+                                            inp.res_proj_w, inp.out_norm_w)
+
+
+@pytest.mark.parametrize("variant", ["fused", "split"])
+@pytest.mark.parametrize("has_delta", [True, False], ids=["delta", "new_block"])
+@pytest.mark.parametrize("b", [1, 2, 5, 8, 9, 16])
+def test_fused_and_split_tail_on_mesh(rng, mesh, mailbox, b, has_delta, variant):
+    """The fused tail (one launch per rank) and the split one on a real mesh: bitwise-identical
+    ranks within bf16 of the float64 model, both parities, every slot re-armed."""
+    inp = attn_res_inputs(rng, b, NB)
+    x, w = oproj_inputs(rng, b)
+    for parity in (0, 1):
+        out, prefix = map(np.asarray, tail_variant_on_mesh(
+            x, w, inp, mesh=mesh, mailbox=mailbox, num_blocks=5, has_delta=has_delta,
+            parity=parity, variant=variant))
+        for r in range(1, mailbox.tp):
+            np.testing.assert_array_equal(out[r].view(np.uint16), out[0].view(np.uint16))
+            np.testing.assert_array_equal(prefix[r].view(np.uint16), prefix[0].view(np.uint16))
+        oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=mailbox.tp, num_blocks=5,
+                                 has_delta=has_delta)
+        mailbox.check()
+    assert mailbox.unarmed() == 0

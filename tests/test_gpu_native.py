@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jax_kimik3 as k3
+from jax_kimik3 import tuning
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 from jax_kimik3.mailbox import Mailbox
@@ -67,29 +68,44 @@ def test_final(rng, num_layers):
     oracle.assert_bf16_close(np.asarray(out), want, "final out")
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["tail", "stats_ahead"])
 @pytest.mark.parametrize("layer", [0, 46])
 @pytest.mark.parametrize("b", [1, 8, 33])
 @pytest.mark.parametrize("tp", [1, 2, 8])
-def test_post_attention_tail_in_virtual_tp(rng, tp, b, layer):
+def test_post_attention_tail_in_virtual_tp(rng, tp, b, layer, ahead):
     """Every rank's tail at the layer's parity: the producer (or XLA's dot and the publish),
-    then the AttnRes ring consumer; ranks bitwise equal, within bf16 of the model."""
+    then the AttnRes ring consumer (with a later site's statistics ahead, or not); ranks
+    bitwise equal, within bf16 (statistics: fp32) of the model. The library holds the fused
+    tail for one rank per launch (a mesh: decode_loop), so virtual TP runs "split" there."""
     from jax_kimik3.kernels import oproj
 
     plan = KIMI_K3.layer(layer)
     site = plan.post_attention
-    inp = attn_res_inputs(rng, b, NB)
+    k = KIMI_K3.o_proj_local_features(tp)
+    variant = "split" if tuning.tail_variant(b, k) == "fused" else None
+    inp, later = attn_res_inputs(rng, b, NB), attn_res_inputs(rng, b, NB)
     x, w = oproj_inputs(rng, b)
     xs = np.stack(np.split(x, tp, axis=-1))
     ws = np.stack(np.split(w, tp, axis=-1))
     with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
-        run = jax.jit(lambda xs, ws, i, table: oproj.tail_virtual(
+        run = jax.jit(lambda xs, ws, i, j, table: oproj.tail_virtual(
             xs, ws, i.prefix, i.blocks, i.res_norm_w, i.res_proj_w, i.out_norm_w, table=table,
             layout=mailbox.layout, parity=plan.parity, num_blocks=site.num_blocks,
-            has_delta=site.has_delta, eps=1e-5, out_eps=1e-5))
-        out, prefix = map(np.asarray, run(xs, ws, jax.device_put(inp), mailbox.peer_table))
+            has_delta=site.has_delta, eps=1e-5, out_eps=1e-5, variant=variant,
+            ahead=(j.res_norm_w, j.res_proj_w) if ahead else None))
+        results = run(xs, ws, jax.device_put(inp), jax.device_put(later), mailbox.peer_table)
+        out, prefix = map(np.asarray, results[:2])
         mailbox.check()
         assert mailbox.unarmed() == 0
     for r in range(1, tp):
         np.testing.assert_array_equal(out[r].view(np.uint16), out[0].view(np.uint16))
     oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=tp, num_blocks=site.num_blocks,
                              has_delta=site.has_delta)
+    if ahead:
+        mixture, scal = map(np.asarray, results[2])
+        acc, m, s = oracle.statistics(inp.blocks, later.res_norm_w, later.res_proj_w,
+                                      num_blocks=site.num_blocks)
+        np.testing.assert_allclose(scal[0], np.stack([m, s], -1), rtol=oracle.F32_RTOL,
+                                   atol=oracle.F32_RTOL)
+        scale = np.abs(oracle.f64(inp.blocks)[:, :site.num_blocks]).sum(1)
+        assert (np.abs(oracle.f64(mixture[0]) - acc) <= oracle.F32_RTOL * scale).all()

@@ -39,6 +39,29 @@ def test_attn_res_variant_lowers(k, has_delta, write, out_norm, precomputed):
     assert ("output_operand_aliases" in text) == write
 
 
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_statistics_ahead_lower_as_two_more_outputs(k):
+    """The post-attention kernel with a later site's weights: one custom call whose results
+    are out, new prefix, mixture f32 [B, H] and scal f32 [B, 2]."""
+    from jax_kimik3.kernels import attn_res_ops as kernels
+
+    def f(prefix, delta, blocks, g, w, o, g2, w2):
+        return kernels.attn_res(prefix, blocks, g, w, o, num_blocks=k, delta=delta, write_idx=-1,
+                                eps=1e-5, out_eps=1e-5, stats=None, ahead=(g2, w2))
+
+    text = lower_for_cuda(f, spec(8, H), spec(8, H), spec(8, NB, H), *[spec(H)] * 5)
+    call = re.search(rf"custom_call @{CUSTOM_CALL}.*", text).group(0)
+    assert re.search(r"-> \(tensor<8x7168xbf16>, tensor<8x7168xbf16>, tensor<8x7168xf32>, "
+                     r"tensor<8x2xf32>\)", call), call[-300:]
+
+
+def test_statistics_ahead_need_the_blocks():
+    from jax_kimik3.kernels.attn_res_ops import AttnResVariant
+
+    with pytest.raises(ValueError, match="statistics ahead need the saved blocks"):
+        AttnResVariant(4, True, -1, True, True, 1e-5, 1e-5, ahead=True)
+
+
 @pytest.mark.parametrize("b", [1, 2, 7, 33, 64])
 def test_attn_res_lowers_for_every_batch(b):
     text = lower_for_cuda(

@@ -78,3 +78,36 @@ def test_pre_attention_with_statistics_ahead(rng, index):
     np.testing.assert_array_equal(np.asarray(prefix), want_prefix)
     np.testing.assert_array_equal(np.asarray(blocks), want_blocks)
     oracle.assert_bf16_close(out, want_out, "out")
+
+
+@pytest.mark.parametrize("index,num_layers", [(0, 4), (11, 13), (12, 13), (92, 93)])
+def test_post_attention_statistics_ahead(rng, index, num_layers):
+    """The next call site's statistics (its weights, the blocks this tail mixes) come back as
+    a fourth result, and stand in for the blocks there (12 -> 13: write layer, then delta)."""
+    plan, tp, b = k3.KIMI_K3.layer(index), 2, 4
+    inp, following = attn_res_inputs(rng, b, NB), attn_res_inputs(rng, b, NB)
+    x, w = oproj_inputs(rng, b)
+    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    step = jax.jit(jax.shard_map(
+        functools.partial(k3.AttentionTail(plan).post_attention, weights(inp),
+                          ahead=weights(following)),
+        mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp"), P(), P()), out_specs=P()))
+    out, prefix, blocks, (mixture, scal) = step(x, w, inp.prefix, inp.blocks)
+    k = plan.post_attention.num_blocks
+    acc, m, s = oracle.statistics(inp.blocks, following.res_norm_w, following.res_proj_w,
+                                  num_blocks=k)
+    np.testing.assert_allclose(np.asarray(scal), np.stack([m, s], -1), rtol=oracle.F32_RTOL)
+    scale = np.abs(oracle.f64(inp.blocks)[:, :k]).sum(1)
+    assert (np.abs(oracle.f64(mixture) - acc) <= oracle.F32_RTOL * scale).all()
+    # The next site with these statistics, against the float64 model reading the blocks.
+    if index + 1 < num_layers:
+        site = k3.KIMI_K3.layer(index + 1).pre_attention
+        got = k3.AttentionTail(k3.KIMI_K3.layer(index + 1)).pre_attention(
+            weights(following), prefix, blocks, following.delta, (mixture, scal))[0]
+    else:
+        site = k3.KIMI_K3.final(num_layers)
+        got = k3.final_attn_res(weights(following), prefix, blocks, following.delta,
+                                stats=(mixture, scal), num_layers=num_layers)
+    want = oracle.attn_res(prefix, blocks, *weights(following), num_blocks=site.num_blocks,
+                           delta=following.delta, write_idx=site.write_idx)[0]
+    oracle.assert_bf16_close(got, want, "next site's out")

@@ -57,7 +57,7 @@ def test_ptx_streams_weights_into_mma(tmp_path):
 @pytest.mark.parametrize("b,tp,producer_kernel", [(8, 8, True), (1, 16, True), (64, 8, False),
                                                   (8, 1, False), (1, 2, False)])
 def test_tail_takes_the_measured_variant(b, tp, producer_kernel):
-    """tuning.PRODUCER_BATCHES decides: the producer kernel (no XLA dot) or XLA's dot + publish."""
+    """tuning.TAIL_VARIANTS decides: the producer kernel (no XLA dot) or XLA's dot + publish."""
     from jax_kimik3.kernels import oproj
     from jax_kimik3.tuning import use_producer
     assert use_producer(b, K_TOTAL // tp) == producer_kernel
@@ -68,3 +68,17 @@ def test_tail_takes_the_measured_variant(b, tp, producer_kernel):
                           spec(tp + 1, 2, dtype=jnp.uint32), spec(1, dtype=jnp.int32))
     assert text.count(CUSTOM_CALL) == 1
     assert ("dot_general" in text) != producer_kernel
+
+
+@pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
+def test_two_shot_tail_adds_the_owner(two_shot):
+    """The two-shot tail: producer, owner (chunk sums) and AttnRes consumer; one-shot: two."""
+    from jax_kimik3.kernels import oproj
+    tp, b = 4, 64
+    text = lower_for_cuda(
+        lambda x, w, p, bl, g, pw, o, table, rank: oproj.oproj_attn_res(
+            x, w, p, bl, g, pw, o, table=table, rank=rank, layout=MailboxLayout(tp), parity=1,
+            num_blocks=4, has_delta=True, eps=1e-5, out_eps=1e-5, two_shot=two_shot),
+        spec(b, K_TOTAL // tp), spec(H, K_TOTAL // tp), spec(b, H), spec(b, 8, H), spec(H),
+        spec(H), spec(H), spec(tp + 1, 2, dtype=jnp.uint32), spec(1, dtype=jnp.int32))
+    assert text.count(f"custom_call @{CUSTOM_CALL}") == 2 + two_shot

@@ -106,3 +106,18 @@ def test_oproj_attn_res_rejects(x, w, pattern):
     args = attn_args()
     with pytest.raises(ValueError, match=r"^oproj_attn_res: .*" + pattern):
         jax.jit(step).trace(x, w, *args.values())
+
+
+@pytest.mark.parametrize("ahead,pattern", [
+    ((spec((H,)),), r"ahead must be a \(res_norm_w, res_proj_w\) pair, got tuple"),
+    ((spec((H,)), spec((H + 1,))),
+     r"ahead\[1\] \(res_proj_w\) has shape=\(257,\) dtype=bfloat16; expected shape=\(256,\)"),
+])
+def test_oproj_attn_res_rejects_ahead(ahead, pattern):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    step = jax.shard_map(
+        lambda *a: k3.oproj_attn_res(*a, axis_name="tp", num_blocks=2, has_delta=True,
+                                     ahead=ahead),
+        mesh=mesh, in_specs=(P(), P()) + (P(),) * 5, out_specs=P())
+    with pytest.raises(ValueError, match=r"^oproj_attn_res: .*" + pattern):
+        jax.jit(step).trace(spec((4, 96)), spec((H, 96)), *attn_args().values())

@@ -6,7 +6,8 @@ thread owning one 8-wide bf16 vector. Per row:
    `write_idx` when the layer writes a block). With a Lamport ring the delta (or, when a block
    starts, p itself) is the all-reduce of the TP ranks' o_proj rows: each thread polls its
    8 columns in every rank's mailbox slot, sums them in rank order, rounds to bf16 and
-   re-arms the slots (kernels/lamport.py has the protocol);
+   re-arms the slots; after a two-shot reduction it polls the gather region instead, where
+   the columns' owners left the sum (kernels/lamport.py has the protocol);
 2. per source (the K saved blocks, then p) the partial Σv² and Σv·g·w of each thread, summed
    over the cluster through distributed shared memory (`primitives.cluster_sums`);
 3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
@@ -14,7 +15,10 @@ thread owning one 8-wide bf16 vector. Per row:
 4. the output RMSNorm: Σmix² over the cluster, then out = bf16(mix · rsqrt(Σmix²/H + eps) · g_out),
    or out = bf16(mix) without an output norm.
 The statistics producer runs steps 2-3 over the saved blocks alone and stores the unnormalised
-fp32 mixture Σ e^{z_i-m} b_i and (m, s).
+fp32 mixture Σ e^{z_i-m} b_i and (m, s). Statistics ahead ("bind_ahead"): the AttnRes kernel
+also stores them for a later call site that mixes the same saved blocks under its own weights
+(the next layer's pre-attention, or the final call), from the blocks it already holds and one
+cluster exchange it already makes, so the later call reads no block.
 Constraints: H = CLUSTER · THREADS · 8; 1 <= B (one cluster per row, grid (CLUSTER, B)).
 """
 
@@ -53,19 +57,22 @@ def _smem_bytes(reductions: int, values: int) -> int:
 
 
 @cute.jit
-def cluster_logits(sources: list, gw, warp_buf: cute.Tensor, cluster_buf: cute.Tensor, rank,
-                   eps: cutlass.Constexpr):
-    """z = Σv·g·w · rsqrt(Σv²/H + eps) of each source (this thread's fp32 columns of a row),
-    both sums taken over the cluster. Completes the kernel's launch-time
+def cluster_logits(sources: list, keys: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
+                   rank):
+    """z = Σv·g·w · rsqrt(Σv²/H + eps) of each source (this thread's fp32 columns of a row)
+    under each key (g·w of this thread's columns, eps): [[z of each source] of each key], every
+    sum taken over the cluster in one exchange. Completes the kernel's launch-time
     `cluster_arrive_relaxed` (peers' shared memory exists) before the first DSMEM store."""
     partials = []
     for s in sources:
         partials.append((s * s).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-        partials.append((s * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+        for gw, _ in keys:
+            partials.append((s * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
     cute.arch.cluster_wait()
     sums = cluster_sums(partials, warp_buf, cluster_buf, CLUSTER, rank)
-    return [sums[2 * i + 1] * cute.math.rsqrt(sums[2 * i] * (1.0 / HIDDEN) + eps)
-            for i in range(len(sources))]
+    per = 1 + len(keys)
+    return [[sums[per * i + 1 + k] * cute.math.rsqrt(sums[per * i] * (1.0 / HIDDEN) + eps)
+             for i in range(len(sources))] for k, (_, eps) in enumerate(keys)]
 
 
 @cute.jit
@@ -76,6 +83,25 @@ def maximum(values: list):
     return top
 
 
+@cute.jit
+def store_statistics(z: list, blocks: cute.Tensor, row, col, mixture: cute.Tensor,
+                     scal: cute.Tensor):
+    """This thread's columns of Σ e^{z_i-m} b_i into `mixture`, and (m, s) into `scal` from the
+    row's first thread. Each block is read again (an L1 hit) rather than held in registers."""
+    top = maximum(z)
+    total = Float32(0.0)
+    acc = None
+    for i in cutlass.range_constexpr(len(z)):
+        e = cute.math.exp(z[i] - top)
+        total = total + e
+        term = load_f32(blocks, (row, i, col)) * e
+        acc = term if i == 0 else acc + term
+    store(mixture, (row, col), acc)
+    if col == 0:
+        scal[row, 0] = top
+        scal[row, 1] = total
+
+
 class AttnResKernel:
     """out, new_prefix (and the block write, in place) from prefix, delta, blocks, weights."""
 
@@ -84,30 +110,50 @@ class AttnResKernel:
 
     @cute.jit
     def __call__(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
-                 res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, table, rank,
-                 after, out: cute.Tensor, new_prefix=None):
+                 res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
+                 ahead_proj_w, table, rank, after, out: cute.Tensor, new_prefix=None,
+                 ahead_mixture=None, ahead_scal=None):
         batch = cute.size(prefix, mode=[0])
-        n = 2 * self.v.sources
-        self.kernel(vectors(prefix), vectors(delta) if cutlass.const_expr(delta is not None) else None,
-                    vectors(blocks),
-                    vectors(mixture) if cutlass.const_expr(mixture is not None) else None, scal,
-                    vectors(res_norm_w), vectors(res_proj_w),
-                    vectors(out_norm_w) if cutlass.const_expr(out_norm_w is not None) else None,
-                    table, rank, vectors(out),
-                    vectors(new_prefix) if cutlass.const_expr(new_prefix is not None) else None).launch(
+
+        def optional(t):
+            return vectors(t) if cutlass.const_expr(t is not None) else None
+
+        self.kernel(vectors(prefix), optional(delta), vectors(blocks), optional(mixture), scal,
+                    vectors(res_norm_w), vectors(res_proj_w), optional(out_norm_w),
+                    optional(ahead_norm_w), optional(ahead_proj_w), table, rank, vectors(out),
+                    optional(new_prefix), optional(ahead_mixture), ahead_scal).launch(
             grid=[CLUSTER, batch, 1], block=[THREADS, 1, 1], cluster=[CLUSTER, 1, 1],
-            smem=_smem_bytes(2, n), stream=stream)
+            smem=_smem_bytes(2, self.exchanged), stream=stream)
+
+    @property
+    def exchanged(self) -> int:
+        """Values per thread in the logits' cluster exchange: Σv² and one Σv·g·w per key."""
+        return (2 + self.v.ahead) * self.v.sources
 
     @cute.kernel
     def kernel(self, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
-               res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, table, rank_t,
-               out: cute.Tensor, new_prefix):
-        v = self.v
+               res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
+               ahead_proj_w, table, rank_t, out: cute.Tensor, new_prefix, ahead_mixture,
+               ahead_scal):
         tidx, _, _ = cute.arch.thread_idx()
         cta, row, _ = cute.arch.block_idx()
+        self.row(tidx, cta, row, prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w,
+                 out_norm_w, ahead_norm_w, ahead_proj_w, table, rank_t, out, new_prefix,
+                 ahead_mixture, ahead_scal)
+
+    @cute.jit
+    def row(self, tidx, cta, row, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture,
+            scal, res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
+            ahead_proj_w, table, rank_t, out: cute.Tensor, new_prefix, ahead_mixture,
+            ahead_scal):
+        """Thread `tidx` of cluster CTA `cta` on token row `row` (steps 1-4 of the module
+        docstring); the tensors as `kernel` takes them. Called by THREADS threads of each of
+        the cluster's CLUSTER CTAs (it has CTA and cluster barriers: any other thread of the
+        CTA must have exited); the fused tail kernel calls it too."""
+        v = self.v
         cute.arch.cluster_arrive_relaxed()  # peers' shared memory must exist before DSMEM stores
         col = cta * THREADS + tidx
-        n = 2 * v.sources
+        n = self.exchanged
         smem = cutlass.memory.SmemAllocator()
         warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
@@ -131,7 +177,11 @@ class AttnResKernel:
             store(blocks, (row, v.write_idx, col), p)
 
         saved = [load_f32(blocks, (row, i, col)) for i in range(v.sources - 1)]
-        z = cluster_logits(saved + [p], gw, warp_buf, cluster_buf, cta, v.eps)
+        keys = [(gw, v.eps)]
+        if cutlass.const_expr(v.ahead):
+            keys.append((load_f32(ahead_norm_w, col) * load_f32(ahead_proj_w, col), v.eps))
+        logits = cluster_logits(saved + [p], keys, warp_buf, cluster_buf, cta)
+        z = logits[0]
 
         if cutlass.const_expr(v.precomputed):
             m, s_saved = scal[row, 0], scal[row, 1]
@@ -156,15 +206,22 @@ class AttnResKernel:
             r = cute.math.rsqrt(sq[0] * (1.0 / HIDDEN) + v.out_eps)
             mix = mix * r * load_f32(out_norm_w, col)
         store(out, (row, col), mix)
+        if cutlass.const_expr(v.ahead):  # the later site's logits of the saved blocks (not p)
+            store_statistics(logits[1][:v.num_blocks], blocks, row, col, ahead_mixture,
+                             ahead_scal)
 
     @cute.jit
     def ring_sum(self, table: cute.Tensor, rank, row, col):
         """This thread's 8 columns of the rank-order fp32 sum of the TP mailbox slots, rounded
-        to bf16 (as fp32); the slots are re-armed once read."""
+        to bf16 (as fp32), or of the gather region the two-shot owners filled with it; what
+        was read is re-armed."""
         lay, v = self.v.ring, self.v
         mine = address_of(table, rank)
         within = Int64(row) * lay.row_bytes + Int64(col) * VECTOR_BYTES
-        slots = [mine + lay.slot(v.parity, q) + within for q in range(lay.tp)]
+        if cutlass.const_expr(v.two_shot):
+            slots = [mine + lay.gather(v.parity) + within]
+        else:
+            slots = [mine + lay.slot(v.parity, q) + within for q in range(lay.tp)]
         acc = poll_sum(slots, v.max_spins, mine + lay.status)
         rearm(slots)
         frag = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
@@ -201,18 +258,8 @@ class StatisticsKernel:
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
         gw = load_f32(res_norm_w, col) * load_f32(res_proj_w, col)
         saved = [load_f32(blocks, (row, i, col)) for i in range(self.num_blocks)]
-        z = cluster_logits(saved, gw, warp_buf, cluster_buf, rank, self.eps)
-        top = maximum(z)
-        total = Float32(0.0)
-        acc = gw * 0.0
-        for i in cutlass.range_constexpr(self.num_blocks):
-            e = cute.math.exp(z[i] - top)
-            total = total + e
-            acc = acc + load_f32(blocks, (row, i, col)) * e  # again: an L1 hit, fewer registers
-        store(mixture, (row, col), acc)
-        if rank == 0 and tidx == 0:
-            scal[row, 0] = top
-            scal[row, 1] = total
+        z = cluster_logits(saved, [(gw, self.eps)], warp_buf, cluster_buf, rank)[0]
+        store_statistics(z, blocks, row, col, mixture, scal)
 
 
 @functools.cache

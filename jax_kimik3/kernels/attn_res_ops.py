@@ -28,6 +28,13 @@ class AttnResVariant:
     ring: MailboxLayout | None = None  # the delta is the all-reduce of these mailbox slots
     parity: int = 0
     max_spins: int = 0
+    two_shot: bool = False  # the ring's sum waits in the gather region (two-shot owners)
+    ahead: bool = False  # also store the saved blocks' statistics under a later site's weights
+
+    def __post_init__(self):
+        if self.ahead and (self.precomputed or not self.stores_prefix):
+            raise ValueError("statistics ahead need the saved blocks (no stats=) and a delta "
+                             "or a ring (the kernel's outputs are out, new_prefix, statistics)")
 
     @property
     def stores_prefix(self) -> bool:
@@ -42,11 +49,13 @@ class AttnResVariant:
 
 class Ring(NamedTuple):
     """A Lamport mailbox as the AttnRes input: the all-reduce of the TP ranks' rows published
-    at `parity` is the delta (`has_delta`) or, starting a block, the new prefix itself."""
+    at `parity` (one-shot slots, or the gather region after the `two_shot` owners) is the
+    delta (`has_delta`) or, starting a block, the new prefix itself."""
 
     layout: MailboxLayout
     parity: int
     max_spins: int
+    two_shot: bool
     has_delta: bool
     table: Any  # uint32 [T, 2] peer table
     rank: Any  # int32 [1]
@@ -54,21 +63,28 @@ class Ring(NamedTuple):
 
 
 def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, delta, write_idx,
-             eps, out_eps, stats, ring: Ring | None = None, into=None):
+             eps, out_eps, stats, ring: Ring | None = None, ahead=None, into=None):
     """The kernel behind `jax_kimik3.attn_res` (same arguments and results; inputs checked).
 
-    `ring` takes the delta from a Lamport mailbox instead of `delta`. `into` = (out,
-    new_prefix) buffers written in place (the GPU tests pass poisoned ones).
+    `ring` takes the delta from a Lamport mailbox instead of `delta`. `ahead` = (res_norm_w,
+    res_proj_w) of a later call site over the same saved blocks: the saved blocks' statistics
+    under those weights (mixture, scal) come back as a fourth result. `into` = (out,
+    new_prefix[, mixture, scal]) buffers written in place (the GPU tests pass poisoned ones).
     """
     has_delta = delta is not None if ring is None else ring.has_delta
     variant = AttnResVariant(num_blocks, has_delta, write_idx, out_norm_w is not None,
                              stats is not None, float(eps), float(out_eps),
-                             *((None, 0, 0) if ring is None else ring[:3]))
+                             *((None, 0, 0, False) if ring is None else ring[:4]),
+                             ahead=ahead is not None)
     mixture, scal = (None, None) if stats is None else stats
     row = jax.ShapeDtypeStruct(prefix.shape, jnp.bfloat16)
     outputs = [row] * (1 + variant.stores_prefix)
+    if variant.ahead:
+        b, h = prefix.shape
+        outputs += [jax.ShapeDtypeStruct((b, h), jnp.float32),
+                    jax.ShapeDtypeStruct((b, 2), jnp.float32)]
     inputs = [prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w, out_norm_w,
-              *((None,) * 3 if ring is None else ring[4:])]
+              *(ahead or (None, None)), *((None,) * 3 if ring is None else ring[5:])]
     aliases = {}
     if write_idx >= 0:  # the block write updates `blocks` in place
         aliases[2] = len(outputs)
@@ -81,6 +97,8 @@ def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, 
     out = results[0]
     new_prefix = results[1] if variant.stores_prefix else prefix
     new_blocks = results[-1] if write_idx >= 0 else blocks
+    if variant.ahead:
+        return out, new_prefix, new_blocks, (results[2], results[3])
     return out, new_prefix, new_blocks
 
 

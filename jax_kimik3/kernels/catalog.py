@@ -2,16 +2,19 @@
 (jax_kimik3.native_build) compiles. Imports no part of the CuTe DSL.
 
 Per TP in `tps` (default TP_VALUES) and the first `num_layers` layers:
-1. pre-attention AttnRes of every layer, with and without precomputed statistics, and the
-   statistics kernel of every K >= 1 (`AttentionTail.pre_attention[_statistics]`);
-2. the final AttnRes after any number of layers (`final_attn_res`);
-3. the post-attention tail (`oproj_attn_res` with a mailbox) of every layer at its parity:
-   the Lamport publish of XLA's dot and the AttnRes ring consumer, and the o_proj producer
-   for every batch `tuning.use_producer` gives it at K = 12288 / TP;
-4. the one-shot mailbox all-reduce (`all_reduce`).
+1. pre-attention AttnRes of every layer and the final AttnRes after any number of layers,
+   each with and without precomputed statistics, and the statistics kernel of every K >= 1
+   (`AttentionTail.pre_attention[_statistics]`, `final_attn_res`);
+2. the post-attention tail (`oproj_attn_res` with a mailbox, one-shot) of every layer at its
+   parity, in each variant `tuning.tail_variant` picks at K = 12288 / TP: the Lamport publish
+   of XLA's dot, the o_proj producer (at every batch the producer runs: "split", and
+   "fused" with statistics ahead), the fused tail (at every batch it is picked for); and the
+   AttnRes ring consumer, with and without statistics ahead;
+3. the one-shot mailbox all-reduce (`all_reduce`).
 Batch is symbolic: those kernels read it at run time, one object for every B in [1, 64]; the
-producer is compiled per batch. Not included (JIT only): two-shot all-reduce (its owner
-kernel is compiled per batch), multicast mailboxes, other eps or max_spins, `into=` buffers.
+producer and the fused tail are compiled per batch. Not included (JIT only): the two-shot
+all-reduce (its owner kernel is compiled per batch; `tuning.use_two_shot` picks it nowhere
+yet), multicast mailboxes, other eps or max_spins, and `into=` buffers.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 
 from jax_kimik3 import tuning
 from jax_kimik3.config import KIMI_K3
-from jax_kimik3.kernels import attn_res_ops, lamport_ops, producer_ops
+from jax_kimik3.kernels import attn_res_ops, lamport_ops, oproj, producer_ops
 from jax_kimik3.mailbox import MailboxLayout
 
 TP_VALUES = (1, 2, 4, 8, 16)
@@ -55,21 +58,31 @@ def _statistics(num_blocks):
     return call
 
 
-def _tail(layout, site, parity):
-    """oproj_attn_res's kernels where XLA's dot makes the rows (kernels/oproj.py)."""
+def _tail(layout, site, parity, ahead):
+    """oproj_attn_res's kernels where XLA's dot makes the rows ("xla", kernels/oproj.py): the
+    publish and the ring consumer, the latter with statistics `ahead` or without."""
     def call(rows, prefix, blocks, g, w, o, table, rank):
         token = lamport_ops.publish(rows, table, rank, layout=layout, parity=parity)
-        ring = attn_res_ops.Ring(layout, parity, lamport_ops.MAX_SPINS, site.has_delta, table,
-                                 rank, token)
+        ring = attn_res_ops.Ring(layout, parity, lamport_ops.MAX_SPINS, False, site.has_delta,
+                                 table, rank, token)
         return attn_res_ops.attn_res(prefix, blocks, g, w, o, num_blocks=site.num_blocks,
                                      delta=None, write_idx=-1, eps=EPS, out_eps=EPS, stats=None,
-                                     ring=ring)
+                                     ring=ring, ahead=(g, w) if ahead else None)
     return call
 
 
 def _produce(layout, parity):
     def call(x, w, table, rank):
         return producer_ops.produce(x, w, table, rank, layout=layout, parity=parity)
+    return call
+
+
+def _fused(layout, site, parity):
+    def call(x, w, prefix, blocks, g, pw, o, table, rank):
+        return oproj.oproj_attn_res(x, w, prefix, blocks, g, pw, o, table=table, rank=rank,
+                                    layout=layout, parity=parity, num_blocks=site.num_blocks,
+                                    has_delta=site.has_delta, eps=EPS, out_eps=EPS,
+                                    two_shot=False, variant="fused")
     return call
 
 
@@ -89,26 +102,32 @@ def decode_calls(tps=TP_VALUES, num_layers=KIMI_K3.num_layers) -> Iterator[Entry
     b = jax.export.symbolic_shape("b")[0]
     f32 = (_spec(b, H, dtype=jnp.float32), _spec(b, 2, dtype=jnp.float32))
     plans = KIMI_K3.layers()[:num_layers]
-    for plan in plans:
-        site = plan.pre_attention
+    sites = [(f"layer {plan.index} pre-attention", plan.pre_attention) for plan in plans]
+    sites += [(f"final after {n} layers", KIMI_K3.final(n)) for n in range(1, num_layers + 1)]
+    for what, site in sites:
         for precomputed in (False, True):
-            yield (f"layer {plan.index} pre-attention, stats={precomputed}",
-                   _attn_res(site, precomputed), _rows(b) + (_spec(b, H),) + f32)
-        if site.num_blocks:
-            yield (f"layer {plan.index} statistics", _statistics(site.num_blocks),
-                   (_spec(b, NB, H), _spec(H), _spec(H)))
-    for n in range(1, num_layers + 1):
-        yield (f"final after {n} layers", _attn_res(KIMI_K3.final(n), False),
-               _rows(b) + (_spec(b, H),) + f32)
+            yield (f"{what}, stats={precomputed}", _attn_res(site, precomputed),
+                   _rows(b) + (_spec(b, H),) + f32)
+    for num_blocks in sorted({site.num_blocks for _, site in sites} - {0}):
+        yield (f"statistics K={num_blocks}", _statistics(num_blocks),
+               (_spec(b, NB, H), _spec(H), _spec(H)))
+    batches = range(1, KIMI_K3.mailbox_capacity + 1)
     for tp in tps:
         layout, k = MailboxLayout(tp), KIMI_K3.o_proj_local_features(tp)
         mailbox = (_spec(tp + 1, 2, dtype=jnp.uint32), _spec(1, dtype=jnp.int32))
         for plan in plans:
-            yield (f"TP{tp} layer {plan.index} post-attention tail",
-                   _tail(layout, plan.post_attention, plan.parity),
-                   (_spec(b, H),) + _rows(b) + mailbox)
+            site = plan.post_attention
+            for ahead in (False, True):
+                yield (f"TP{tp} layer {plan.index} post-attention ring, ahead={ahead}",
+                       _tail(layout, site, plan.parity, ahead),
+                       (_spec(b, H),) + _rows(b) + mailbox)
+            for batch in batches:
+                if tuning.tail_variant(batch, k) == "fused":
+                    yield (f"TP{tp} layer {plan.index} fused tail B={batch}",
+                           _fused(layout, site, plan.parity),
+                           (_spec(batch, k), _spec(H, k)) + _rows(batch) + mailbox)
         for parity in (0, 1):
-            for batch in range(1, KIMI_K3.mailbox_capacity + 1):
+            for batch in batches:
                 if tuning.use_producer(batch, k):
                     yield (f"TP{tp} o_proj producer B={batch} parity {parity}",
                            _produce(layout, parity), (_spec(batch, k), _spec(H, k)) + mailbox)

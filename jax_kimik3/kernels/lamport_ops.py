@@ -25,6 +25,15 @@ def publish(rows, table, rank, *, layout, parity, two_shot=False, multicast=Fals
         rows, table, rank, rows if after is None else after)
 
 
+def reduce_chunk(table, rank, after, *, layout, parity, batch, max_spins=MAX_SPINS,
+                 multicast=False):
+    """Two-shot owner `rank`: its column chunk of the `batch` rows, summed over the receive
+    slots and sent to every rank's gather region, once `after` (the publishes' tokens) is done;
+    returns its token."""
+    return launch(Variant("owner", (layout, parity, batch, max_spins, multicast)), _token())(
+        table, rank, after)
+
+
 def all_reduce(rows, table, rank, *, layout, parity, two_shot=False, multicast=False,
                max_spins=MAX_SPINS, after=None):
     """One rank's all-reduced rows [B, H] bf16 (inside shard_map: `rank` = its axis index [1]);
@@ -33,8 +42,8 @@ def all_reduce(rows, table, rank, *, layout, parity, two_shot=False, multicast=F
     token = publish(rows, table, rank, layout=layout, parity=parity, two_shot=two_shot,
                     multicast=multicast, after=after)
     if two_shot:
-        token = launch(Variant("owner", (layout, parity, batch, max_spins, multicast)),
-                       _token())(table, rank, token)
+        token = reduce_chunk(table, rank, token, layout=layout, parity=parity, batch=batch,
+                             max_spins=max_spins, multicast=multicast)
     return launch(Variant("consume", (layout, parity, two_shot, max_spins)),
                   jax.ShapeDtypeStruct(rows.shape, rows.dtype))(table, rank, token)
 
@@ -51,9 +60,8 @@ def all_reduce_virtual(partials, table, *, layout, parity, two_shot=False, max_s
                                       two_shot=two_shot, after=after) for r in range(tp)])
     if two_shot:
         tokens = jnp.concatenate([
-            launch(Variant("owner", (layout, parity, batch, max_spins, False)), _token())(
-                table, ranks[r], tokens)
-            for r in range(tp)])
+            reduce_chunk(table, ranks[r], tokens, layout=layout, parity=parity, batch=batch,
+                         max_spins=max_spins) for r in range(tp)])
     out = jax.ShapeDtypeStruct(partials.shape[1:], partials.dtype)
     return jnp.stack([
         launch(Variant("consume", (layout, parity, two_shot, max_spins)), out)(

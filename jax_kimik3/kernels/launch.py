@@ -32,6 +32,7 @@ FACTORIES = {  # family → (module, function) that makes the CuTe DSL kernel ob
     "consume": ("jax_kimik3.kernels.lamport", "consumer_kernel"),
     "armed_check": ("jax_kimik3.kernels.lamport", "armed_check_kernel"),
     "oproj": ("jax_kimik3.kernels.producer", "producer_kernel"),
+    "fused": ("jax_kimik3.kernels.fused", "fused_kernel"),
 }
 
 

@@ -63,6 +63,16 @@ class OprojProducer:
     def kernel(self, x: cute.Tensor, w: cute.Tensor, table, rank_t, out: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
+        self.rows(tidx, block, x, w, table, rank_t, out)
+        if cutlass.const_expr(self.publish is not None):
+            if tidx + block == 0:
+                out[0] = Int32(1)
+
+    @cute.jit
+    def rows(self, tidx, block, x: cute.Tensor, w: cute.Tensor, table, rank_t, out):
+        """CTA `block`'s 16 rows of w: the GEMM, the in-order warp sum, and the store into
+        `out` [B, N] or the publish (`rank_t[0]`: this rank). Every thread of the CTA's
+        WARPS warps calls it (it has CTA barriers); the fused tail kernel calls it too."""
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         g, t = lane // 4, lane % 4
         tiles, k = self.tiles, self.k
@@ -119,9 +129,6 @@ class OprojProducer:
                 publish_words(without_negative_zero(words), table, rank_t[0], token, vec,
                               layout=p.layout, parity=p.parity, two_shot=p.two_shot,
                               multicast=p.multicast)
-        if cutlass.const_expr(self.publish is not None):
-            if tidx + block == 0:
-                out[0] = Int32(1)
 
 
 @functools.cache
