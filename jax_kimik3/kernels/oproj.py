@@ -169,22 +169,23 @@ def produce(x, w, table, rank, *, layout, parity, two_shot=False, multicast=Fals
                     two_shot=two_shot, multicast=multicast)
 
 
-def _two_shot(two_shot, batch, layout):
-    return tuning.use_two_shot(batch, layout.tp) if two_shot is None else two_shot
-
-
-def _choose(variant, batch, k, *, two_shot, ahead):
-    """The variant asked for, else the table's; a fused choice the kernel cannot do (two-shot,
-    statistics ahead) runs split."""
+def _choose(variant, two_shot, batch, k, layout, ahead):
+    """(variant, two_shot): what was asked for, else the tables'. The fused kernel is one-shot
+    without statistics ahead: asked for, it runs one-shot; the table's fused runs split where
+    two-shot or ahead is asked for or tabled."""
     if variant is not None and variant not in tuning.TAIL_VARIANT_NAMES:
         raise ValueError(f"variant={variant!r} must be one of {tuning.TAIL_VARIANT_NAMES}")
-    chosen = variant or tuning.tail_variant(batch, k)
-    if chosen == "fused" and (two_shot or ahead is not None):
-        if variant == "fused":
+    if variant == "fused":
+        if two_shot or ahead is not None:
             raise NotImplementedError(f"the fused tail is one-shot without ahead; got "
                                       f"{two_shot=}, ahead={ahead is not None}")
-        return "split"
-    return chosen
+        return "fused", False
+    if two_shot is None:
+        two_shot = tuning.use_two_shot(batch, layout.tp)
+    chosen = variant or tuning.tail_variant(batch, k)
+    if chosen == "fused" and (two_shot or ahead is not None):
+        chosen = "split"
+    return chosen, two_shot
 
 
 def _publish(variant, x, w, table, rank, *, layout, parity, two_shot=False, multicast=False):
@@ -203,8 +204,7 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
     with `ahead` (a later site's res_norm_w, res_proj_w) the saved blocks' statistics.
     `variant`: "fused", "split" or "xla"; None: `tuning.tail_variant`."""
     batch = x.shape[0]
-    two_shot = _two_shot(two_shot, batch, layout)
-    variant = _choose(variant, *x.shape, two_shot=two_shot, ahead=ahead)
+    variant, two_shot = _choose(variant, two_shot, *x.shape, layout, ahead)
     if variant == "fused":
         out, new_prefix = fused_tail(
             x[None], w[None], prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
@@ -234,8 +234,7 @@ def tail_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, ta
     with `ahead` each rank's statistics (mixture [T, B, H], scal [T, B, 2]); `into` (fused
     only): poisoned (out, new_prefix) buffers [T, B, H] written in place."""
     tp, batch = x.shape[:2]
-    two_shot = _two_shot(two_shot, batch, layout)
-    variant = _choose(variant, *x.shape[1:], two_shot=two_shot, ahead=ahead)
+    variant, two_shot = _choose(variant, two_shot, *x.shape[1:], layout, ahead)
     if variant == "fused":
         return fused_tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
                           ranks=jnp.arange(tp, dtype=jnp.int32), layout=layout, parity=parity,
