@@ -4,15 +4,19 @@ The post-attention tail (kernels/oproj.py) per (B, K per rank), one table:
 - "xla": XLA's dot, then the Lamport publish kernel (~2 µs), then the AttnRes ring kernel;
 - "split": the o_proj producer kernel (GEMM + publish), then the AttnRes ring kernel;
 - "fused": producer and AttnRes consumer in one launch (kernels/oproj.OprojAttnResFused).
-"split" against "xla" is measured: `examples/bench_layer.py` (oproj part) on an H200 on
-2026-11-29 (benchmarks/RESULTS.md): the producer is at least as fast as XLA's dot + publish
-for K <= 6144 up to B = 16 (not at B = 1 for K = 6144: 32.2 µs against 25.9 + 2); XLA's dot
-wins at K = 12288 (TP 1) everywhere and at every K above B = 16 (the producer re-reads x per
-16 weight rows).
-"fused" is PROVISIONAL, NOT MEASURED: it is entered wherever "split" is measured to win up to
-B = 8, on the argument that it saves one launch (~3 µs) and overlaps the consumer's launch
-with the GEMM. Replace it with `examples/bench_layer.py --parts tail --variants fused,split`
-(virtual TP on one GPU, the mesh on several).
+Every entry is measured (benchmarks/RESULTS.md, H200s, 2026-11-29):
+- "split" against "xla": `examples/bench_layer.py` oproj part, one GPU: the producer is at
+  least as fast as XLA's dot + publish for K <= 6144 up to B = 16; XLA's dot wins at
+  K = 12288 (TP 1) everywhere and at every K above B = 16 (the producer re-reads x per 16
+  weight rows).
+- "fused" against "split" and "xla": `bench_layer.py --parts tail --variants fused,split,xla`
+  on a TP2 mesh (K = 6144): fused 44.0 / 43.6 µs at B = 1 / 4 against split 49.9 / 44.6 and
+  xla 54.7 / 53.7; split wins from B = 8 (43.4 against 46.7). At TP >= 4 (K <= 3072) fused
+  has not been timed on a mesh (no 4- or 8-GPU machine lent): those keep split.
+- two-shot against one-shot: `--variants split,two_shot` in virtual TP on one GPU (every
+  rank's traffic on one GPU's memory, not NVLink): two-shot wins at B = 64 for TP 8 (195.8
+  against 215.4 µs per TP group) and TP 16 (298.0 against 356.6), loses at B = 33 and at
+  TP 2 (the TP2 mesh all-reduce: 10-12 µs against 8-9 one-shot at every B).
 """
 
 from __future__ import annotations
@@ -24,11 +28,10 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 
 TAIL_VARIANTS: dict[int, tuple[tuple[int, TailVariant], ...]] = {
     # K per rank → ((largest B, variant), ...) by increasing B; B past the last entry: "xla".
-    # "fused" entries are provisional (see the docstring); "split"/"xla" bounds are measured.
-    6144: ((1, "xla"), (8, "fused"), (16, "split")),
-    3072: ((8, "fused"), (16, "split")),
-    1536: ((8, "fused"), (16, "split")),
-    768: ((8, "fused"), (16, "split")),
+    6144: ((4, "fused"), (16, "split")),
+    3072: ((16, "split"),),
+    1536: ((16, "split"),),
+    768: ((16, "split"),),
 }
 
 
@@ -46,7 +49,7 @@ def use_producer(batch: int, k: int) -> bool:
     return tail_variant(batch, k) != "xla"
 
 
-TWO_SHOT_BATCHES: dict[int, int] = {}  # TP → smallest B where the two-shot tail wins
+TWO_SHOT_BATCHES = {8: 64, 16: 64}  # TP → smallest B where the two-shot tail wins
 
 
 def use_two_shot(batch: int, tp: int) -> bool:

@@ -69,11 +69,11 @@ def test_fused_mesh_rank_is_one_launch(tp):
 @pytest.mark.parametrize("b,tp", [(1, 8), (8, 16), (16, 8), (64, 8), (8, 1), (1, 2), (2, 2)])
 def test_tail_takes_the_table_variant(b, tp):
     """tuning.tail_variant decides: fused (one call), split (producer + consumer: two calls),
-    xla (dot, publish, consumer)."""
+    xla (dot, publish, consumer); a two-shot all-reduce adds the owner."""
     variant = tuning.tail_variant(b, K_TOTAL // tp)
     text = one_rank(tp, b)
     calls = len(re.findall(rf"custom_call @{CUSTOM_CALL}", text))
-    assert calls == {"fused": 1, "split": 2, "xla": 2}[variant]
+    assert calls == {"fused": 1, "split": 2, "xla": 2}[variant] + tuning.use_two_shot(b, tp)
     assert ("dot_general" in text) == (variant == "xla")
 
 
@@ -82,8 +82,11 @@ def test_table_is_one_table_of_known_variants():
         bounds = [b for b, _ in entries]
         assert bounds == sorted(bounds), k
         assert all(v in tuning.TAIL_VARIANT_NAMES for _, v in entries)
-    assert tuning.tail_variant(8, 1536) == "fused" and tuning.tail_variant(16, 1536) == "split"
+    assert tuning.tail_variant(4, 6144) == "fused" and tuning.tail_variant(5, 6144) == "split"
+    assert tuning.tail_variant(1, 1536) == "split" and tuning.tail_variant(16, 1536) == "split"
     assert tuning.tail_variant(17, 1536) == "xla" and tuning.tail_variant(1, 12288) == "xla"
+    assert tuning.use_two_shot(64, 8) and not tuning.use_two_shot(63, 8)
+    assert not tuning.use_two_shot(64, 2)
 
 
 def test_unknown_variant_is_refused():

@@ -55,7 +55,7 @@ def test_ptx_streams_weights_into_mma(tmp_path):
 
 
 @pytest.mark.parametrize("b,tp,producer_kernel", [(8, 8, True), (1, 16, True), (64, 8, False),
-                                                  (8, 1, False), (1, 2, False)])
+                                                  (8, 1, False), (1, 2, True), (32, 2, False)])
 def test_tail_takes_the_measured_variant(b, tp, producer_kernel):
     """tuning.TAIL_VARIANTS decides: the producer kernel (no XLA dot) or XLA's dot + publish."""
     from jax_kimik3.kernels import oproj

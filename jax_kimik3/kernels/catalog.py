@@ -5,16 +5,18 @@ Per TP in `tps` (default TP_VALUES) and the first `num_layers` layers:
 1. pre-attention AttnRes of every layer and the final AttnRes after any number of layers,
    each with and without precomputed statistics, and the statistics kernel of every K >= 1
    (`AttentionTail.pre_attention[_statistics]`, `final_attn_res`);
-2. the post-attention tail (`oproj_attn_res` with a mailbox, one-shot) of every layer at its
-   parity, in each variant `tuning.tail_variant` picks at K = 12288 / TP: the Lamport publish
-   of XLA's dot, the o_proj producer (at every batch the producer runs: "split", and
-   "fused" with statistics ahead), the fused tail (at every batch it is picked for); and the
-   AttnRes ring consumer, with and without statistics ahead;
+2. the post-attention tail (`oproj_attn_res` with a mailbox) of every layer at its parity, in
+   each variant `tuning.tail_variant` and `tuning.use_two_shot` pick at K = 12288 / TP: the
+   Lamport publish of XLA's dot, the o_proj producer (at every batch the producer runs:
+   "split", and "fused" with statistics ahead), the fused tail (at every batch it is picked
+   for), the two-shot owner (at every batch two-shot is picked for); and the AttnRes ring
+   consumer, with and without statistics ahead, one-shot and (where picked) two-shot;
 3. the one-shot mailbox all-reduce (`all_reduce`).
 Batch is symbolic: those kernels read it at run time, one object for every B in [1, 64]; the
-producer and the fused tail are compiled per batch. Not included (JIT only): the two-shot
-all-reduce (its owner kernel is compiled per batch; `tuning.use_two_shot` picks it nowhere
-yet), multicast mailboxes, other eps or max_spins, and `into=` buffers.
+producer, the owner and the fused tail are compiled per batch. Not included (JIT only): the
+two-shot all-reduce and tail where the tables do not pick them, the fused tail of several
+ranks per launch (virtual TP), multicast mailboxes, other eps or max_spins, `into=` buffers.
+tests/test_catalog.py checks that decode steps at every TP make no other kernel call.
 """
 
 from __future__ import annotations
@@ -58,22 +60,32 @@ def _statistics(num_blocks):
     return call
 
 
-def _tail(layout, site, parity, ahead):
+def _tail(layout, site, parity, ahead, two_shot):
     """oproj_attn_res's kernels where XLA's dot makes the rows ("xla", kernels/oproj.py): the
-    publish and the ring consumer, the latter with statistics `ahead` or without."""
+    publish and the ring consumer, the latter with statistics `ahead` or without (the two-shot
+    owner between them is compiled per batch: `_reduce_chunk`)."""
     def call(rows, prefix, blocks, g, w, o, table, rank):
-        token = lamport_ops.publish(rows, table, rank, layout=layout, parity=parity)
-        ring = attn_res_ops.Ring(layout, parity, lamport_ops.MAX_SPINS, False, site.has_delta,
-                                 table, rank, token)
+        token = lamport_ops.publish(rows, table, rank, layout=layout, parity=parity,
+                                    two_shot=two_shot)
+        ring = attn_res_ops.Ring(layout, parity, lamport_ops.MAX_SPINS, two_shot,
+                                 site.has_delta, table, rank, token)
         return attn_res_ops.attn_res(prefix, blocks, g, w, o, num_blocks=site.num_blocks,
                                      delta=None, write_idx=-1, eps=EPS, out_eps=EPS, stats=None,
                                      ring=ring, ahead=(g, w) if ahead else None)
     return call
 
 
-def _produce(layout, parity):
+def _produce(layout, parity, two_shot):
     def call(x, w, table, rank):
-        return producer_ops.produce(x, w, table, rank, layout=layout, parity=parity)
+        return producer_ops.produce(x, w, table, rank, layout=layout, parity=parity,
+                                    two_shot=two_shot)
+    return call
+
+
+def _reduce_chunk(layout, parity, batch):
+    def call(table, rank, token):
+        return lamport_ops.reduce_chunk(table, rank, token, layout=layout, parity=parity,
+                                        batch=batch)
     return call
 
 
@@ -115,12 +127,15 @@ def decode_calls(tps=TP_VALUES, num_layers=KIMI_K3.num_layers) -> Iterator[Entry
     for tp in tps:
         layout, k = MailboxLayout(tp), KIMI_K3.o_proj_local_features(tp)
         mailbox = (_spec(tp + 1, 2, dtype=jnp.uint32), _spec(1, dtype=jnp.int32))
+        two_shot_batches = [batch for batch in batches if tuning.use_two_shot(batch, tp)]
         for plan in plans:
             site = plan.post_attention
-            for ahead in (False, True):
-                yield (f"TP{tp} layer {plan.index} post-attention ring, ahead={ahead}",
-                       _tail(layout, site, plan.parity, ahead),
-                       (_spec(b, H),) + _rows(b) + mailbox)
+            for two_shot in sorted({False, bool(two_shot_batches)}):
+                for ahead in (False, True):
+                    yield (f"TP{tp} layer {plan.index} post-attention ring, ahead={ahead}, "
+                           f"two_shot={two_shot}",
+                           _tail(layout, site, plan.parity, ahead, two_shot),
+                           (_spec(b, H),) + _rows(b) + mailbox)
             for batch in batches:
                 if tuning.tail_variant(batch, k) == "fused":
                     yield (f"TP{tp} layer {plan.index} fused tail B={batch}",
@@ -128,8 +143,14 @@ def decode_calls(tps=TP_VALUES, num_layers=KIMI_K3.num_layers) -> Iterator[Entry
                            (_spec(batch, k), _spec(H, k)) + _rows(batch) + mailbox)
         for parity in (0, 1):
             for batch in batches:
+                two_shot = batch in two_shot_batches
                 if tuning.use_producer(batch, k):
                     yield (f"TP{tp} o_proj producer B={batch} parity {parity}",
-                           _produce(layout, parity), (_spec(batch, k), _spec(H, k)) + mailbox)
+                           _produce(layout, parity, two_shot),
+                           (_spec(batch, k), _spec(H, k)) + mailbox)
+                if two_shot:
+                    yield (f"TP{tp} two-shot owner B={batch} parity {parity}",
+                           _reduce_chunk(layout, parity, batch),
+                           mailbox + (_spec(1, dtype=jnp.int32),))
             yield (f"TP{tp} all-reduce parity {parity}", _all_reduce(layout, parity),
                    (_spec(b, H),) + mailbox)

@@ -48,9 +48,10 @@ class OprojAttnResFused:
 
     @property
     def smem_bytes(self) -> int:
-        """A CTA is a producer or a consumer: the larger of the two roles' shared memory."""
-        return max(self.producer.smem_bytes,
-                   attn_res_kernels._smem_bytes(2, self.consumer.exchanged))
+        """Both roles' shared memory: the DSL lays out every allocation of the kernel, of
+        either branch, one after the other (taking the larger one overflowed: illegal address
+        on the H200)."""
+        return self.producer.smem_bytes + attn_res_kernels._smem_bytes(2, self.consumer.exchanged)
 
     @property
     def grid(self) -> list:

@@ -75,31 +75,32 @@ def produce(x, w, table, rank, *, layout, parity, two_shot=False, multicast=Fals
                     two_shot=two_shot, multicast=multicast)
 
 
-def _two_shot(two_shot, batch, layout):
-    return tuning.use_two_shot(batch, layout.tp) if two_shot is None else two_shot
-
-
-def _choose(variant, batch, k, *, two_shot, ahead):
-    """The variant asked for, else the table's; a fused choice the kernel cannot do (two-shot,
-    statistics ahead) runs split."""
+def _choose(variant, two_shot, batch, k, layout, ahead):
+    """(variant, two_shot): what was asked for, else the tables'. The fused kernel is one-shot
+    without statistics ahead: asked for, it runs one-shot; the table's fused runs split where
+    two-shot or ahead is asked for or tabled."""
     if variant is not None and variant not in tuning.TAIL_VARIANT_NAMES:
         raise ValueError(f"variant={variant!r} must be one of {tuning.TAIL_VARIANT_NAMES}")
-    chosen = variant or tuning.tail_variant(batch, k)
-    if chosen == "fused" and (two_shot or ahead is not None):
-        if variant == "fused":
+    if variant == "fused":
+        if two_shot or ahead is not None:
             raise NotImplementedError(f"the fused tail is one-shot without ahead; got "
                                       f"{two_shot=}, ahead={ahead is not None}")
-        return "split"
-    return chosen
+        return "fused", False
+    if two_shot is None:
+        two_shot = tuning.use_two_shot(batch, layout.tp)
+    chosen = variant or tuning.tail_variant(batch, k)
+    if chosen == "fused" and (two_shot or ahead is not None):
+        chosen = "split"
+    return chosen, two_shot
 
 
 def _publish(variant, x, w, table, rank, *, layout, parity, two_shot=False, multicast=False):
     """Step 1 of "split" ("producer" kernel) or "xla" (dot + publish kernel): the token."""
     if variant == "split":
         return producer_ops.produce(x, w, table, rank, layout=layout, parity=parity,
-                                two_shot=two_shot, multicast=multicast)
+                                    two_shot=two_shot, multicast=multicast)
     return lamport_ops.publish(reference.oproj_partial(x, w), table, rank, layout=layout,
-                           parity=parity, two_shot=two_shot, multicast=multicast)
+                               parity=parity, two_shot=two_shot, multicast=multicast)
 
 
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, rank,
@@ -109,8 +110,7 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
     with `ahead` (a later site's res_norm_w, res_proj_w) the saved blocks' statistics.
     `variant`: "fused", "split" or "xla"; None: `tuning.tail_variant`."""
     batch = x.shape[0]
-    two_shot = _two_shot(two_shot, batch, layout)
-    variant = _choose(variant, *x.shape, two_shot=two_shot, ahead=ahead)
+    variant, two_shot = _choose(variant, two_shot, *x.shape, layout, ahead)
     if variant == "fused":
         out, new_prefix = fused_tail(
             x[None], w[None], prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
@@ -122,12 +122,11 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
                      two_shot=two_shot, multicast=multicast)
     if two_shot:
         token = lamport_ops.reduce_chunk(table, rank, token, layout=layout, parity=parity,
-                                     batch=batch, max_spins=max_spins, multicast=multicast)
-    ring = attn_res_ops.Ring(layout, parity, max_spins, two_shot, has_delta, table, rank,
-                                 token)
+                                         batch=batch, max_spins=max_spins, multicast=multicast)
+    ring = attn_res_ops.Ring(layout, parity, max_spins, two_shot, has_delta, table, rank, token)
     return attn_res_ops.attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-                                     num_blocks=num_blocks, delta=None, write_idx=-1, eps=eps,
-                                     out_eps=out_eps, stats=None, ring=ring, ahead=ahead)
+                                 num_blocks=num_blocks, delta=None, write_idx=-1, eps=eps,
+                                 out_eps=out_eps, stats=None, ring=ring, ahead=ahead)
 
 
 def tail_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, layout,
@@ -140,8 +139,7 @@ def tail_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, ta
     with `ahead` each rank's statistics (mixture [T, B, H], scal [T, B, 2]); `into` (fused
     only): poisoned (out, new_prefix) buffers [T, B, H] written in place."""
     tp, batch = x.shape[:2]
-    two_shot = _two_shot(two_shot, batch, layout)
-    variant = _choose(variant, *x.shape[1:], two_shot=two_shot, ahead=ahead)
+    variant, two_shot = _choose(variant, two_shot, *x.shape[1:], layout, ahead)
     if variant == "fused":
         return fused_tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
                           ranks=jnp.arange(tp, dtype=jnp.int32), layout=layout, parity=parity,
@@ -155,12 +153,12 @@ def tail_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, ta
     if two_shot:
         tokens = jnp.concatenate([
             lamport_ops.reduce_chunk(table, ranks[r], tokens, layout=layout, parity=parity,
-                                 batch=batch, max_spins=max_spins) for r in range(tp)])
+                                     batch=batch, max_spins=max_spins) for r in range(tp)])
     results = [attn_res_ops.attn_res(
         prefix, blocks, res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks, delta=None,
         write_idx=-1, eps=eps, out_eps=out_eps, stats=None,
         ring=attn_res_ops.Ring(layout, parity, max_spins, two_shot, has_delta, table,
-                                   ranks[r], tokens),
+                               ranks[r], tokens),
         ahead=ahead)
         for r in range(tp)]
     out, prefix = (jnp.stack([r[i] for r in results]) for i in (0, 1))
