@@ -37,6 +37,9 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (1..93)")
     parser.add_argument("--batch", type=int, default=8, help="decode rows per rank (1..64)")
     parser.add_argument("--tp", type=int, default=None, help="TP ranks (default: all devices)")
+    parser.add_argument("--virtual-tp", type=int, default=None, metavar="TP",
+                        help="every one of TP ranks on one device (virtual TP; for a GPU: "
+                             "one mailbox buffer per rank, all on it)")
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=("auto", "kernel", "reference"), default="auto",
@@ -69,8 +72,9 @@ CFG = k3.KIMI_K3
 H, K, NB = CFG.hidden_size, CFG.o_proj_in_features, CFG.num_attn_res_blocks
 
 
-def init_params(key, mesh, num_layers):
-    """Random weights, created on the mesh: o_proj and the attention stand-in split along K."""
+def init_params(key, mesh, num_layers, virtual_tp=None):
+    """Random weights, created on the mesh: o_proj and the attention stand-in split along K
+    (with `virtual_tp`, o_proj held as the ranks' shards [TP, H, K/TP] on the one device)."""
     split = NamedSharding(mesh, P(None, "tp"))
     whole = NamedSharding(mesh, P())
 
@@ -89,8 +93,10 @@ def init_params(key, mesh, num_layers):
     layers = []
     for i in range(num_layers):
         pre, post, o_proj = keys[4 + 3 * i: 7 + 3 * i]
-        layers.append({"pre": site(pre), "post": site(post),
-                       "o_proj": normal(o_proj, (H, K), 1 / np.sqrt(K), split)})
+        w = normal(o_proj, (H, K), 1 / np.sqrt(K), split)
+        if virtual_tp:
+            w = jnp.moveaxis(w.reshape(H, virtual_tp, K // virtual_tp), 1, 0)
+        layers.append({"pre": site(pre), "post": site(post), "o_proj": w})
     return {
         "attention": normal(keys[0], (H, K), 1 / np.sqrt(H), split),  # stand-in, shared
         "mlp": normal(keys[1], (H, H), 0.5 / np.sqrt(H), whole),  # stand-in, shared
@@ -105,11 +111,12 @@ def param_specs(params):
 
 
 def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbox,
-                stats_ahead=False):
+                stats_ahead=False, virtual_tp=None):
     """One decode step through `num_layers` layers and the final AttnRes (inside shard_map);
     `mailbox` is a MailboxSpec (kernels) or None, `table` its peer table operand. With
     `stats_ahead`, layer i's post-attention tail also returns the statistics of the saved
-    blocks for the next call site (layer i + 1's pre-attention, or the final AttnRes)."""
+    blocks for the next call site (layer i + 1's pre-attention, or the final AttnRes). With
+    `virtual_tp` (a mesh of one device) the tail runs that many ranks on the device."""
     tails = [k3.AttentionTail(CFG.layer(i), axis_name="tp", mailbox=mailbox, backend=backend)
              for i in range(num_layers)]
     layers = params["layers"]
@@ -118,9 +125,13 @@ def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbo
         layer = layers[i]
         hidden, prefix, blocks = tail.pre_attention(layer["pre"], prefix, blocks, delta, stats)
         x = jnp.dot(hidden, params["attention"]).astype(jnp.bfloat16)  # this rank's heads
+        post = tail.post_attention
+        if virtual_tp:  # [B, K] → the ranks' shards [TP, B, K/TP]
+            x = jnp.moveaxis(x.reshape(x.shape[0], virtual_tp, -1), 1, 0)
+            post = tail.post_attention_virtual
         following = layers[i + 1]["pre"] if i + 1 < num_layers else params["final"]
-        results = tail.post_attention(layer["post"], x, layer["o_proj"], prefix, blocks,
-                                      peer_table=table, ahead=following if stats_ahead else None)
+        results = post(layer["post"], x, layer["o_proj"], prefix, blocks, peer_table=table,
+                       ahead=following if stats_ahead else None)
         hidden, prefix, blocks = results[:3]
         stats = results[3] if stats_ahead else None
         delta = jnp.dot(hidden, params["mlp"]).astype(jnp.bfloat16)
@@ -129,22 +140,27 @@ def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbo
     return out, blocks
 
 
-def make_step(mesh, params, num_layers, backend, mailbox, stats_ahead=False):
-    """The jitted step(params, embedding, blocks, table) -> (out, blocks) on `mesh`."""
+def make_step(mesh, params, num_layers, backend, mailbox, stats_ahead=False, virtual_tp=None):
+    """The jitted step(params, embedding, blocks, table) -> (out, blocks) on `mesh` (with
+    `virtual_tp`, on its one device: no shard_map)."""
+    def step(p, e, b, t):
+        return decode_step(p, e, b, t, num_layers=num_layers, backend=backend, mailbox=mailbox,
+                           stats_ahead=stats_ahead, virtual_tp=virtual_tp)
+
+    if virtual_tp:
+        return jax.jit(step)
     return jax.jit(jax.shard_map(
-        lambda p, e, b, t: decode_step(p, e, b, t, num_layers=num_layers, backend=backend,
-                                       mailbox=mailbox, stats_ahead=stats_ahead),
-        mesh=mesh, in_specs=(param_specs(params), P(), P(), P()), out_specs=(P(), P())))
+        step, mesh=mesh, in_specs=(param_specs(params), P(), P(), P()), out_specs=(P(), P())))
 
 
-def export_step(path, mesh, params, embedding, blocks, num_layers):
+def export_step(path, mesh, params, embedding, blocks, num_layers, virtual_tp=None):
     """Write the kernel step for CUDA to `path`, the peer table an operand."""
     from jax_kimik3 import aot
 
-    spec = k3.MailboxSpec(k3.MailboxLayout(mesh.size))
-    step = make_step(mesh, params, num_layers, "kernel", spec)
-    table = jax.ShapeDtypeStruct((mesh.size + 1, 2), jnp.uint32,
-                                 sharding=NamedSharding(mesh, P()))
+    ranks = virtual_tp or mesh.size
+    spec = k3.MailboxSpec(k3.MailboxLayout(ranks))
+    step = make_step(mesh, params, num_layers, "kernel", spec, virtual_tp=virtual_tp)
+    table = jax.ShapeDtypeStruct((ranks + 1, 2), jnp.uint32, sharding=NamedSharding(mesh, P()))
     exported = aot.export(step, params, embedding, blocks, table)
     data = exported.serialize()
     with open(path, "wb") as f:
@@ -158,23 +174,32 @@ def export_step(path, mesh, params, embedding, blocks, num_layers):
 def main(args=ARGS):
     if not 1 <= args.layers <= CFG.num_layers:
         raise ValueError(f"--layers={args.layers} must be in [1, {CFG.num_layers}]")
-    tp = args.tp or len(jax.devices())
+    tp = args.tp or (1 if args.virtual_tp else len(jax.devices()))
     if tp > len(jax.devices()):
         raise ValueError(f"--tp={tp} exceeds the {len(jax.devices())} available devices")
+    if args.virtual_tp and tp != 1:
+        raise ValueError(f"--virtual-tp={args.virtual_tp} puts every rank on one device; "
+                         f"got --tp={tp}")
+    if args.virtual_tp:
+        CFG.o_proj_local_features(args.virtual_tp)  # a ValueError unless TP divides K
     mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
     key = jax.random.key(args.seed)
-    params = init_params(key, mesh, args.layers)
+    params = init_params(key, mesh, args.layers, args.virtual_tp)
     rows = jax.random.normal(jax.random.fold_in(key, 1), (args.steps + 1, args.batch, H))
     embeddings = (0.05 * rows).astype(jnp.bfloat16)  # one fresh token row set per step
     blocks = jnp.zeros((args.batch, NB, H), jnp.bfloat16)
 
     if args.export:
-        return export_step(args.export, mesh, params, embeddings[0], blocks, args.layers)
+        return export_step(args.export, mesh, params, embeddings[0], blocks, args.layers,
+                           args.virtual_tp)
     on_gpu = jax.devices()[0].platform == "gpu"
     kernels = args.load or args.backend == "kernel" or (args.backend == "auto" and on_gpu)
     if kernels and not on_gpu:
         raise ValueError("kernel steps need GPUs (the mailbox lives in GPU memory)")
-    mailbox = k3.Mailbox.for_devices(mesh.devices.flat) if kernels else None
+    mailbox = None
+    if kernels:
+        mailbox = (k3.Mailbox.virtual(jax.devices()[0], args.virtual_tp) if args.virtual_tp
+                   else k3.Mailbox.for_devices(mesh.devices.flat))
     table = None if mailbox is None else jax.device_put(mailbox.peer_table,
                                                         NamedSharding(mesh, P()))
     if args.load:
@@ -184,7 +209,8 @@ def main(args=ARGS):
             step = aot.load(f.read()).call
     else:
         step = make_step(mesh, params, args.layers, args.backend,
-                         None if mailbox is None else mailbox.spec, args.stats_ahead)
+                         None if mailbox is None else mailbox.spec, args.stats_ahead,
+                         args.virtual_tp)
     out, _ = step(params, embeddings[0], blocks, table)  # compile and warm up
     out.block_until_ready()
     source = ("exported step" if args.load else f"kernels, {KERNELS_ENV}={kernel_mode()}"
@@ -199,14 +225,16 @@ def main(args=ARGS):
         times.append(time.perf_counter() - start)
         checksum += float(jnp.sum(out.astype(jnp.float32)))
     path = ("exported kernels" if args.load else "kernels") if kernels else "reference"
-    print(f"decode step: {args.layers} layers, batch {args.batch}, TP {tp} on "
+    ranks = f"TP {args.virtual_tp} (virtual)" if args.virtual_tp else f"TP {tp}"
+    print(f"decode step: {args.layers} layers, batch {args.batch}, {ranks} on "
           f"{jax.devices()[0].platform} ({path}): median {1e3 * np.median(times):.2f} ms over "
           f"{args.steps} steps")
     print(f"checksum {checksum:.6e}")
     if mailbox is not None:
         mailbox.check()
         if args.check:
-            want, _ = make_step(mesh, params, args.layers, "reference", None)(
+            want, _ = make_step(mesh, params, args.layers, "reference", None,
+                                virtual_tp=args.virtual_tp)(
                 params, embeddings[args.steps], blocks, None)
             got, want = (np.asarray(a, np.float32) for a in (out, want))
             # Kernels and reference sum in other orders, so an AttnRes output element may land

@@ -1,7 +1,7 @@
 """Kimi K3's decode-step attention tail for JAX: o_proj, its TP all-reduce and Block AttnRes."""
 
 from jax_kimik3.api import (all_reduce, all_reduce_virtual, attn_res, attn_res_statistics,
-                            oproj_attn_res)
+                            oproj_attn_res, oproj_attn_res_virtual)
 from jax_kimik3.config import KIMI_K3, CallSite, KimiK3Config, LayerPlan
 from jax_kimik3.layer import AttentionTail, AttnResWeights, final_attn_res
 from jax_kimik3.mailbox import Mailbox, MailboxLayout, MailboxSpec
@@ -22,4 +22,5 @@ __all__ = [
     "attn_res_statistics",
     "final_attn_res",
     "oproj_attn_res",
+    "oproj_attn_res_virtual",
 ]

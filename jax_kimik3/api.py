@@ -86,6 +86,71 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
     measured table (jax_kimik3/tuning.py).
     """
     check = Checker("oproj_attn_res")
+    _check_tail(check, x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                num_blocks=num_blocks, eps=eps, out_eps=out_eps, ahead=ahead, mailbox=mailbox,
+                parity=parity, axis_name=axis_name, peer_table=peer_table, backend=backend)
+    check.done()
+    if mailbox is not None and use_kernels(backend, prefix.shape[1]):
+        from jax_kimik3.kernels import oproj
+
+        rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+        return oproj.oproj_attn_res(
+            x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+            table=_table(mailbox, peer_table), rank=rank, layout=mailbox.layout, parity=parity,
+            num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
+            multicast=mailbox.multicast, ahead=None if ahead is None else tuple(ahead),
+            two_shot=two_shot)
+    results = reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                                       axis_name=axis_name, num_blocks=num_blocks,
+                                       has_delta=has_delta, eps=eps, out_eps=out_eps)
+    return _with_ahead(results, blocks, ahead, num_blocks, eps)
+
+
+@functools.partial(jax.jit, static_argnames=("num_blocks", "has_delta", "eps", "out_eps",
+                                             "mailbox", "parity", "two_shot", "backend"))
+def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
+                           num_blocks, has_delta, eps=1e-5, out_eps=1e-5, mailbox=None, parity=0,
+                           peer_table=None, ahead=None, two_shot=None,
+                           backend: Backend = "auto"):
+    """Every TP rank's `oproj_attn_res` on one device ("virtual TP", no shard_map): x
+    [TP, B, K/TP] and w [TP, H, K/TP] are the ranks' shards.
+
+    Returns each rank's (out [TP, B, H], new_prefix [TP, B, H]), new_blocks, and with `ahead`
+    each rank's (mixture [TP, B, H], scal [TP, B, 2]); the ranks agree bit for bit. With a
+    `Mailbox.virtual` mailbox (or its spec and `peer_table=`) the kernels run every rank
+    (one fused launch, or every rank's producer then every consumer); without one, the
+    reference. The other arguments as in `oproj_attn_res`.
+    """
+    check = Checker("oproj_attn_res_virtual")
+    if x.ndim != 3 or w.ndim != 3 or x.shape[0] != w.shape[0]:
+        check.fail(f"x has shape={tuple(x.shape)} and w shape={tuple(w.shape)}; expected "
+                   "[TP, B, K/TP] and [TP, H, K/TP]")
+    elif mailbox is not None and x.shape[0] != mailbox.tp:
+        check.fail(f"x has TP={x.shape[0]} shards; the mailbox has tp={mailbox.tp}")
+    else:
+        _check_tail(check, x[0], w[0], prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                    num_blocks=num_blocks, eps=eps, out_eps=out_eps, ahead=ahead,
+                    mailbox=mailbox, parity=parity, peer_table=peer_table, backend=backend)
+    check.done()
+    if mailbox is not None and use_kernels(backend, prefix.shape[1]):
+        from jax_kimik3.kernels import oproj
+
+        results = oproj.tail_virtual(
+            x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+            table=_table(mailbox, peer_table), layout=mailbox.layout, parity=parity,
+            num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
+            ahead=None if ahead is None else tuple(ahead), two_shot=two_shot)
+        return (*results[:2], blocks, *results[2:])
+    out, new_prefix, new_blocks, *stats = _with_ahead(reference.oproj_attn_res_virtual(
+        x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks,
+        has_delta=has_delta, eps=eps, out_eps=out_eps), blocks, ahead, num_blocks, eps)
+    ranks = functools.partial(jax.tree.map, lambda a: jnp.broadcast_to(a, (x.shape[0], *a.shape)))
+    return (*ranks((out, new_prefix)), new_blocks, *ranks(stats))
+
+
+def _check_tail(check, x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks,
+                eps, out_eps, ahead, mailbox, parity, backend, axis_name=None, peer_table=None):
+    """The arguments of one rank's post-attention tail, into `check`."""
     rows = check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                           num_blocks=num_blocks, eps=eps, out_eps=out_eps)
     if rows is not None and check.array("x", x, (rows[0], None), jnp.bfloat16):
@@ -101,20 +166,10 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
         check_mailbox_rows(check, prefix, "prefix", mailbox, parity, axis_name, peer_table)
     elif backend == "kernel":
         check.fail("backend='kernel' needs mailbox= (the all-reduce's peer buffers)")
-    check.done()
-    if mailbox is not None and use_kernels(backend, prefix.shape[1]):
-        from jax_kimik3.kernels import oproj
 
-        rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-        return oproj.oproj_attn_res(
-            x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-            table=_table(mailbox, peer_table), rank=rank, layout=mailbox.layout, parity=parity,
-            num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
-            multicast=mailbox.multicast, ahead=None if ahead is None else tuple(ahead),
-            two_shot=two_shot)
-    results = reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-                                       axis_name=axis_name, num_blocks=num_blocks,
-                                       has_delta=has_delta, eps=eps, out_eps=out_eps)
+
+def _with_ahead(results, blocks, ahead, num_blocks, eps):
+    """The reference tail's results, with the `ahead` site's statistics if asked for."""
     if ahead is None:
         return results
     return (*results, reference.attn_res_statistics(blocks, *ahead, num_blocks=num_blocks,

@@ -81,6 +81,25 @@ class AttentionTail:
             backend=self.backend)
 
 
+    def post_attention_virtual(self, weights: AttnResWeights, x, o_proj, prefix, blocks,
+                               peer_table=None, ahead: AttnResWeights | None = None):
+        """`post_attention` with every TP rank on this device ("virtual TP", outside
+        shard_map, with a `Mailbox.virtual` mailbox): x [TP, B, K/TP] and o_proj
+        [TP, H, K/TP] are the ranks' shards. The ranks agree bit for bit; this returns rank
+        0's results, as `post_attention` does."""
+        site = self.plan.post_attention
+        out, prefix, blocks, *stats = api.oproj_attn_res_virtual(
+            x, o_proj, prefix, blocks, *weights, num_blocks=site.num_blocks,
+            has_delta=site.has_delta, mailbox=self.mailbox, parity=self.plan.parity,
+            peer_table=peer_table,
+            ahead=None if ahead is None else (ahead.res_norm_w, ahead.res_proj_w),
+            backend=self.backend)
+        if ahead is None:
+            return out[0], prefix[0], blocks
+        mixture, scal = stats[0]
+        return out[0], prefix[0], blocks, (mixture[0], scal[0])
+
+
 def final_attn_res(weights: AttnResWeights, prefix, blocks, delta, *, stats=None,
                    num_layers=KIMI_K3.num_layers, backend: Backend = "auto"):
     """The AttnRes after the last of `num_layers` layers (model.norm as the output norm);

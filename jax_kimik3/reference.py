@@ -94,6 +94,14 @@ def all_reduce(partial, axis_name):
     return round_bf16(jax.lax.psum(partial.astype(F32), axis_name)).astype(BF16)
 
 
+def all_reduce_ranks(partials):
+    """The same sum of every rank's bf16 rows [TP, B, H] held on one device, in rank order."""
+    acc = partials[0].astype(F32)
+    for partial in partials[1:]:
+        acc = acc + partial.astype(F32)
+    return round_bf16(acc).astype(BF16)
+
+
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
                    num_blocks, has_delta, eps=1e-5, out_eps=1e-5):
     """Post-attention tail inside shard_map: o_proj partial, all-reduce, AttnRes.
@@ -101,7 +109,23 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
     With `has_delta` the reduced attn_out is the delta of `prefix`; without it attn_out starts
     a new block and is the returned prefix (`prefix` is then not read).
     """
-    attn_out = all_reduce(oproj_partial(x, w), axis_name)
+    return post_attention(all_reduce(oproj_partial(x, w), axis_name), prefix, blocks,
+                          res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks,
+                          has_delta=has_delta, eps=eps, out_eps=out_eps)
+
+
+def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
+                           num_blocks, has_delta, eps=1e-5, out_eps=1e-5):
+    """`oproj_attn_res` of every rank on one device: x [TP, B, K/TP], w [TP, H, K/TP]."""
+    return post_attention(all_reduce_ranks(jax.vmap(oproj_partial)(x, w)), prefix, blocks,
+                          res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks,
+                          has_delta=has_delta, eps=eps, out_eps=out_eps)
+
+
+def post_attention(attn_out, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks,
+                   has_delta, eps, out_eps):
+    """The post-attention AttnRes of the all-reduced `attn_out`: the delta of `prefix`, or
+    (without `has_delta`) a new block's prefix."""
     if has_delta:
         return attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                         num_blocks=num_blocks, delta=attn_out, eps=eps, out_eps=out_eps)

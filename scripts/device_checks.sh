@@ -59,10 +59,13 @@ for bench in attn_res all_reduce layer; do
   fi
 done
 if wants decode; then
-  for batch in 8 64; do
-    python3 examples/decode_loop.py --layers 13 --batch $batch --steps 20 --check \
-      > "$OUT/decode_loop_b$batch.log" 2>&1
-    summary+=("decode_loop B=$batch: exit $? | $(grep -h -E 'decode step|check' "$OUT/decode_loop_b$batch.log" | tr '\n' ' ')")
+  # Every GPU as a TP mesh at B = 8 and 64 (statistics ahead at 8), then TP 8 in virtual TP on
+  # the first GPU: each checked against the reference step.
+  for run in "b8:--batch 8 --stats-ahead" "b64:--batch 64" "virtual_tp8:--batch 8 --virtual-tp 8"; do
+    name=${run%%:*}
+    python3 examples/decode_loop.py --layers 13 --steps 20 --check ${run#*:} \
+      > "$OUT/decode_loop_$name.log" 2>&1
+    summary+=("decode_loop $name: exit $? | $(grep -h -E 'decode step|check' "$OUT/decode_loop_$name.log" | tr '\n' ' ')")
   done
 fi
 if wants startup; then

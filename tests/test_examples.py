@@ -6,17 +6,21 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-
-def test_decode_loop_runs():
+@pytest.mark.parametrize("ranks", [["--tp", "4"], ["--virtual-tp", "4", "--stats-ahead"]],
+                         ids=["mesh", "virtual"])
+def test_decode_loop_runs(ranks):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.pop("XLA_FLAGS", None)  # the example asks for its own host devices
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "decode_loop.py"), "--layers", "2", "--batch",
-         "2", "--tp", "4", "--steps", "1"], env=env, capture_output=True, text=True, timeout=600)
+         "2", *ranks, "--steps", "1"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert re.search(r"decode step: 2 layers, batch 2, TP 4 on cpu \(reference\)", result.stdout)
+    assert re.search(r"decode step: 2 layers, batch 2, TP 4 (\(virtual\) )?on cpu \(reference\)",
+                     result.stdout)
     checksum = float(re.search(r"checksum (\S+)", result.stdout).group(1))
     assert checksum == checksum and abs(checksum) < 1e6  # finite and of a sane size

@@ -111,3 +111,33 @@ def test_post_attention_statistics_ahead(rng, index, num_layers):
     want = oracle.attn_res(prefix, blocks, *weights(following), num_blocks=site.num_blocks,
                            delta=following.delta, write_idx=site.write_idx)[0]
     oracle.assert_bf16_close(got, want, "next site's out")
+
+
+@pytest.mark.parametrize("index,ahead", [(0, False), (3, True), (46, False)])
+def test_post_attention_virtual(rng, index, ahead):
+    """Every rank on one device (the reference path): each rank's result within bf16 of the
+    float64 model of the TP-rank tail, the ranks identical, statistics ahead as the model's."""
+    plan, tp, b = k3.KIMI_K3.layer(index), 4, 3
+    site = plan.post_attention
+    inp, later = attn_res_inputs(rng, b, NB), attn_res_inputs(rng, b, NB)
+    x, w = oproj_inputs(rng, b)
+    xs, ws = (np.stack(np.split(a, tp, axis=-1)) for a in (x, w))
+    results = k3.oproj_attn_res_virtual(
+        xs, ws, inp.prefix, inp.blocks, *weights(inp), num_blocks=site.num_blocks,
+        has_delta=site.has_delta, ahead=(later.res_norm_w, later.res_proj_w) if ahead else None)
+    out, prefix = map(np.asarray, results[:2])
+    assert out.shape == prefix.shape == (tp, b, 7168)
+    for r in range(tp):
+        np.testing.assert_array_equal(out[r], out[0])
+    oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=tp, num_blocks=site.num_blocks,
+                             has_delta=site.has_delta)
+    tail = k3.AttentionTail(plan).post_attention_virtual(
+        weights(inp), xs, ws, inp.prefix, inp.blocks,
+        ahead=weights(later) if ahead else None)
+    np.testing.assert_array_equal(np.asarray(tail[0]), out[0])
+    if ahead:
+        acc, m, s = oracle.statistics(inp.blocks, later.res_norm_w, later.res_proj_w,
+                                      num_blocks=site.num_blocks)
+        mixture, scal = map(np.asarray, results[3])
+        np.testing.assert_allclose(scal[tp - 1], np.stack([m, s], -1), rtol=oracle.F32_RTOL)
+        np.testing.assert_array_equal(np.asarray(tail[3][0]), mixture[0])

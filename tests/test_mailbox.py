@@ -185,3 +185,21 @@ jax.jit(f).trace(jax.ShapeDtypeStruct((32, 7168), jnp.bfloat16)).lower(lowering_
 """
     ptx = kept_ptx(script, tmp_path, devices=4)
     assert "multimem.st.relaxed.sys.global.v4.f32" in ptx
+
+
+@pytest.mark.parametrize("b,tp,kernels", [(4, 2, 1), (8, 2, 2), (8, 8, 2), (64, 8, 3)])
+def test_virtual_tail_lowers_to_the_table_variant(b, tp, kernels):
+    """oproj_attn_res_virtual with a mailbox: every rank's tail as kernels (the lowering keeps
+    one copy of each distinct kernel): the fused one where the table says fused (TP 2,
+    B <= 4); else the producer and the consumer; at B = 64, TP 8 XLA's dot, the publish, the
+    two-shot owner and the consumer."""
+    from jax_kimik3 import tuning
+    variant = tuning.tail_variant(b, 12288 // tp)
+    assert variant == ("fused" if kernels == 1 else "xla" if b > 16 else "split")
+    f = functools.partial(k3.oproj_attn_res_virtual, num_blocks=3, has_delta=True,
+                          mailbox=FakeMailbox(MailboxLayout(tp)), parity=1, backend="kernel")
+    s = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+    text = _lower(f, s((tp, b, 12288 // tp)), s((tp, H, 12288 // tp)), s((b, H)),
+                  s((b, 8, H)), s((H,)), s((H,)), s((H,)))
+    assert text.count("custom_call @CuteDSLRT_NvJaxCutlassCall") == kernels
+    assert ("dot_general" in text) == (variant == "xla")

@@ -151,6 +151,17 @@ def test_auto_compiles_what_the_library_lacks(built, monkeypatch):
     assert "CuteDSLRT_NvJaxCutlassCall" in call_outside_the_catalog()
 
 
+def test_auto_without_the_dsl_names_what_the_library_lacks(built, monkeypatch):
+    """auto mode on a host without the DSL: a call the library lacks is a RuntimeError that
+    names it, not an ImportError from inside the JIT path."""
+    monkeypatch.setenv(native.LIBRARY_ENV, str(built[0]))
+    monkeypatch.setenv(backend.KERNELS_ENV, "auto")
+    monkeypatch.setattr(backend, "dsl_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"=auto: kernel k3_attn_res_\w+ .*does not hold it "
+                                           r"and the CuTe DSL \(to compile it\) is not installed"):
+        call_outside_the_catalog()
+
+
 def test_a_stale_library_is_refused(built, monkeypatch):
     """Kernel sources changed since the build: aot refuses the library, auto compiles."""
     monkeypatch.setenv(native.LIBRARY_ENV, str(built[0]))

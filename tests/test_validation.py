@@ -121,3 +121,15 @@ def test_oproj_attn_res_rejects_ahead(ahead, pattern):
         mesh=mesh, in_specs=(P(), P()) + (P(),) * 5, out_specs=P())
     with pytest.raises(ValueError, match=r"^oproj_attn_res: .*" + pattern):
         jax.jit(step).trace(spec((4, 96)), spec((H, 96)), *attn_args().values())
+
+
+@pytest.mark.parametrize("x,w,pattern", [
+    (spec((4, 96)), spec((H, 96)), r"x has shape=\(4, 96\) and w shape=\(256, 96\); expected "
+                                   r"\[TP, B, K/TP\] and \[TP, H, K/TP\]"),
+    (spec((2, 4, 48)), spec((2, H, 40)),
+     r"w has shape=\(256, 40\) dtype=bfloat16; expected shape=\(256, 48\)"),
+])
+def test_oproj_attn_res_virtual_rejects(x, w, pattern):
+    with pytest.raises(ValueError, match=r"^oproj_attn_res_virtual: .*" + pattern):
+        jax.jit(lambda *a: k3.oproj_attn_res_virtual(*a, num_blocks=2, has_delta=True)).trace(
+            x, w, *attn_args().values())

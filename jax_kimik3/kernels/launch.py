@@ -114,11 +114,13 @@ def _from_library(call: Call) -> bool:
     if library is not None and call.name in library.calls:
         library.register()
         return True
-    if mode == "auto":
+    if mode == "auto" and backend.dsl_available():
         return False
     where = "no library was found" if library is None else f"{library.path} does not hold it"
+    if mode == "auto":
+        where += " and the CuTe DSL (to compile it) is not installed"
     raise RuntimeError(
-        f"{backend.KERNELS_ENV}=aot: kernel {call.name} ({call.description}) is not "
+        f"{backend.KERNELS_ENV}={mode}: kernel {call.name} ({call.description}) is not "
         f"available: {where}. Build it (python -m jax_kimik3.native_build; see the README) "
         f"or set {backend.KERNELS_ENV}=jit")
 
