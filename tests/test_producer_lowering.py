@@ -57,16 +57,20 @@ def test_ptx_streams_weights_into_mma(tmp_path):
 @pytest.mark.parametrize("b,tp,producer_kernel", [(8, 8, True), (1, 16, True), (64, 8, False),
                                                   (8, 1, False), (1, 2, True), (32, 2, False)])
 def test_tail_takes_the_measured_variant(b, tp, producer_kernel):
-    """tuning.TAIL_VARIANTS decides: the producer kernel (no XLA dot) or XLA's dot + publish."""
+    """tuning.TAIL_VARIANTS decides: the producer kernel (no XLA dot; alone, or in the fused
+    launch) or XLA's dot + publish, then the consumer (one-shot)."""
     from jax_kimik3.kernels import oproj
-    from jax_kimik3.tuning import use_producer
+    from jax_kimik3.tuning import tail_variant, use_producer
     assert use_producer(b, K_TOTAL // tp) == producer_kernel
 
-    def f(x, w, table, rank):
-        return oproj.produce(x, w, table, rank, layout=MailboxLayout(tp), parity=0)
-    text = lower_for_cuda(f, spec(b, K_TOTAL // tp), spec(H, K_TOTAL // tp),
+    def f(x, w, prefix, blocks, g, proj, out_w, table, rank):
+        return oproj.oproj_attn_res(x, w, prefix, blocks, g, proj, out_w, table=table, rank=rank,
+                                    layout=MailboxLayout(tp), parity=0, num_blocks=4,
+                                    has_delta=True, eps=1e-5, out_eps=1e-5, two_shot=False)
+    text = lower_for_cuda(f, spec(b, K_TOTAL // tp), spec(H, K_TOTAL // tp), spec(b, H),
+                          spec(b, 8, H), spec(H), spec(H), spec(H),
                           spec(tp + 1, 2, dtype=jnp.uint32), spec(1, dtype=jnp.int32))
-    assert text.count(CUSTOM_CALL) == 1
+    assert text.count(CUSTOM_CALL) == (1 if tail_variant(b, K_TOTAL // tp) == "fused" else 2)
     assert ("dot_general" in text) != producer_kernel
 
 

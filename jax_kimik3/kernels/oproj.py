@@ -68,13 +68,6 @@ def fused_tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, tabl
     return launch(Variant("fused", (r, b, k, publish, variant)), (rows, rows), aliases)(*inputs)
 
 
-def produce(x, w, table, rank, *, layout, parity, two_shot=False, multicast=False):
-    """This rank's o_proj rows published at `parity` by the faster variant; its token."""
-    variant = "split" if tuning.use_producer(*x.shape) else "xla"
-    return _publish(variant, x, w, table, rank, layout=layout, parity=parity,
-                    two_shot=two_shot, multicast=multicast)
-
-
 def _choose(variant, two_shot, batch, k, layout, ahead):
     """(variant, two_shot): what was asked for, else the tables'. The fused kernel is one-shot
     without statistics ahead: asked for, it runs one-shot; the table's fused runs split where
