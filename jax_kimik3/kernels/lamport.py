@@ -58,6 +58,18 @@ def _grid(batch, nvec):
 
 
 @cute.jit
+def store_everywhere(words, table: cute.Tensor, offset, *, tp: cutlass.Constexpr,
+                     multicast: cutlass.Constexpr):
+    """Store `words` at byte `offset` of every rank's mailbox (multicast: one store that lands
+    in all of them)."""
+    if cutlass.const_expr(multicast):
+        multicast_words(address_of(table, tp) + offset, words)
+    else:
+        for q in cutlass.range_constexpr(tp):
+            store_words(address_of(table, q) + offset, words)
+
+
+@cute.jit
 def publish_words(words, table: cute.Tensor, rank, row, vec, *, layout: cutlass.Constexpr,
                   parity: cutlass.Constexpr, two_shot: cutlass.Constexpr,
                   multicast: cutlass.Constexpr):
@@ -68,11 +80,7 @@ def publish_words(words, table: cute.Tensor, rank, row, vec, *, layout: cutlass.
     if cutlass.const_expr(not two_shot):
         offset = (Int64(lay.slot(parity, 0)) + Int64(rank) * (lay.capacity * lay.row_bytes)
                   + Int64(row) * lay.row_bytes + Int64(vec) * VECTOR_BYTES)
-        if cutlass.const_expr(multicast):
-            multicast_words(address_of(table, lay.tp) + offset, words)
-        else:
-            for q in cutlass.range_constexpr(lay.tp):
-                store_words(address_of(table, q) + offset, words)
+        store_everywhere(words, table, offset, tp=lay.tp, multicast=multicast)
     else:
         chunk_vecs, chunk_bytes = lay.chunk // VECTOR, lay.chunk * 2
         owner = vec // chunk_vecs
@@ -141,11 +149,7 @@ class Owner:
                 poll_sum(slots, self.max_spins, mine + lay.status)))
             target = (Int64(lay.gather(self.parity, 0)) + Int64(row) * lay.row_bytes
                       + (Int64(rank) * chunk_vecs + Int64(vec)) * VECTOR_BYTES)
-            if cutlass.const_expr(self.multicast):
-                multicast_words(address_of(table, lay.tp) + target, words)
-            else:
-                for q in cutlass.range_constexpr(lay.tp):
-                    store_words(address_of(table, q) + target, words)
+            store_everywhere(words, table, target, tp=lay.tp, multicast=self.multicast)
             rearm(slots)
         if item == 0:
             token[0] = Int32(1)
