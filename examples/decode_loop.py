@@ -206,7 +206,8 @@ def main(args=ARGS):
         from jax_kimik3 import aot
 
         with open(args.load, "rb") as f:
-            step = aot.load(f.read()).call
+            # Under jit, calls take JAX's compiled fast path, not the primitive's dispatch.
+            step = jax.jit(aot.load(f.read()).call)
     else:
         step = make_step(mesh, params, args.layers, args.backend,
                          None if mailbox is None else mailbox.spec, args.stats_ahead,
