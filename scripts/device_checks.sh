@@ -71,13 +71,14 @@ fi
 if wants startup; then
   # Process start to the first decode step done: JIT (the DSL compiles every kernel), then a
   # step exported here and loaded in a fresh process (JAX_KIMIK3_KERNELS=jit for both).
-  JAX_KIMIK3_KERNELS=jit python3 examples/decode_loop.py --layers 13 --batch 8 --steps 1 \
+  JAX_KIMIK3_KERNELS=jit python3 examples/decode_loop.py --layers 13 --batch 8 --steps 20 \
     > "$OUT/startup_jit.log" 2>&1
   JAX_KIMIK3_KERNELS=jit python3 examples/decode_loop.py --layers 13 --batch 8 \
     --export /tmp/step.bin > "$OUT/startup_export.log" 2>&1
-  JAX_KIMIK3_KERNELS=jit python3 examples/decode_loop.py --layers 13 --batch 8 --steps 1 \
-    --load /tmp/step.bin > "$OUT/startup_exported.log" 2>&1
-  summary+=("startup: $(grep -h startup "$OUT"/startup_jit.log "$OUT"/startup_exported.log | tr '\n' ' ')")
+  JAX_KIMIK3_KERNELS=jit python3 examples/decode_loop.py --layers 13 --batch 8 --steps 20 \
+    --check --load /tmp/step.bin > "$OUT/startup_exported.log" 2>&1
+  summary+=("startup: $(grep -h -E 'startup|decode step|check' "$OUT"/startup_jit.log \
+    "$OUT"/startup_exported.log | tr '\n' ' ')")
 fi
 grep -E "FAILED|Error" "$OUT/gpu_tests.log" 2>/dev/null | head -n 20
 printf '%s\n' "${summary[@]}"
