@@ -20,6 +20,7 @@ prebuilt library, or auto) and print the time from process start to the first st
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -78,10 +79,13 @@ def init_params(key, mesh, num_layers, virtual_tp=None):
     split = NamedSharding(mesh, P(None, "tp"))
     whole = NamedSharding(mesh, P())
 
-    def normal(key, shape, scale, sharding):
-        make = jax.jit(lambda k: (scale * jax.random.normal(k, shape, jnp.float32))
+    @functools.cache  # one compile per kind of weight, not per weight
+    def maker(shape, scale, sharding):
+        return jax.jit(lambda k: (scale * jax.random.normal(k, shape, jnp.float32))
                        .astype(jnp.bfloat16), out_shardings=sharding)
-        return make(key)
+
+    def normal(key, shape, scale, sharding):
+        return maker(shape, scale, sharding)(key)
 
     def site(key):
         g, w, o = jax.random.split(key, 3)
