@@ -11,8 +11,11 @@ Every entry is measured (benchmarks/RESULTS.md, H200s, 2026-11-29):
   weight rows).
 - "fused" against "split" and "xla": `bench_layer.py --parts tail --variants fused,split,xla`
   on a TP2 mesh (K = 6144): fused 44.0 / 43.6 µs at B = 1 / 4 against split 49.9 / 44.6 and
-  xla 54.7 / 53.7; split wins from B = 8 (43.4 against 46.7). At TP >= 4 (K <= 3072) fused
-  has not been timed on a mesh (no 4- or 8-GPU machine lent): those keep split.
+  xla 54.7 / 53.7; split wins from B = 8 (43.4 against 46.7). At TP >= 4 (K <= 3072), in
+  virtual TP on one GPU (no 4- or 8-GPU machine lent): fused 54.1 / 56.8 µs at B = 1 / 4
+  against split 70.7 / 62.9 (TP 4), 54.0 / 58.0 against 73.8 / 76.6 (TP 8), 56.5 / 69.5
+  against 101.4 / 108.3 (TP 16). Virtual TP still favours fused at B = 8 (58.4 against 64.2
+  at TP 4), where the one mesh measured favours split: those keep split until a mesh says.
 - two-shot against one-shot: `--variants split,two_shot` in virtual TP on one GPU (every
   rank's traffic on one GPU's memory, not NVLink): two-shot wins at B = 64 for TP 8 (195.8
   against 215.4 µs per TP group) and TP 16 (298.0 against 356.6), loses at B = 33 and at
@@ -29,9 +32,9 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 TAIL_VARIANTS: dict[int, tuple[tuple[int, TailVariant], ...]] = {
     # K per rank → ((largest B, variant), ...) by increasing B; B past the last entry: "xla".
     6144: ((4, "fused"), (16, "split")),
-    3072: ((16, "split"),),
-    1536: ((16, "split"),),
-    768: ((16, "split"),),
+    3072: ((4, "fused"), (16, "split")),
+    1536: ((4, "fused"), (16, "split")),
+    768: ((4, "fused"), (16, "split")),
 }
 
 

@@ -83,7 +83,7 @@ def test_table_is_one_table_of_known_variants():
         assert bounds == sorted(bounds), k
         assert all(v in tuning.TAIL_VARIANT_NAMES for _, v in entries)
     assert tuning.tail_variant(4, 6144) == "fused" and tuning.tail_variant(5, 6144) == "split"
-    assert tuning.tail_variant(1, 1536) == "split" and tuning.tail_variant(16, 1536) == "split"
+    assert tuning.tail_variant(4, 1536) == "fused" and tuning.tail_variant(16, 1536) == "split"
     assert tuning.tail_variant(17, 1536) == "xla" and tuning.tail_variant(1, 12288) == "xla"
     assert tuning.use_two_shot(64, 8) and not tuning.use_two_shot(63, 8)
     assert not tuning.use_two_shot(64, 2)
