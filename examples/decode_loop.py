@@ -225,13 +225,14 @@ def main(args=ARGS):
     print(f"startup ({source}): process start to first decode step done: {done:.1f} s "
           f"(imports, weights, mailbox {ready:.1f} s; compile and first step "
           f"{done - ready:.1f} s)")
-    times, checksum = [], 0.0
+    times, outs = [], []
     for s in range(1, args.steps + 1):
         start = time.perf_counter()
         out, _ = step(params, embeddings[s], blocks, table)
         out.block_until_ready()
         times.append(time.perf_counter() - start)
-        checksum += float(jnp.sum(out.astype(jnp.float32)))
+        outs.append(out)
+    checksum = sum(float(jnp.sum(out.astype(jnp.float32))) for out in outs)
     path = ("exported kernels" if args.load else "kernels") if kernels else "reference"
     ranks = f"TP {args.virtual_tp} (virtual)" if args.virtual_tp else f"TP {tp}"
     print(f"decode step: {args.layers} layers, batch {args.batch}, {ranks} on "
@@ -241,18 +242,23 @@ def main(args=ARGS):
     if mailbox is not None:
         mailbox.check()
         if args.check:
-            want, _ = make_step(mesh, params, args.layers, "reference", None,
-                                virtual_tp=args.virtual_tp)(
-                params, embeddings[args.steps], blocks, None)
-            got, want = (np.asarray(a, np.float32) for a in (out, want))
+            reference = make_step(mesh, params, args.layers, "reference", None,
+                                  virtual_tp=args.virtual_tp)
+            rels = []
+            for s, out in enumerate(outs, 1):  # every timed step: a race shows in any of them
+                want, _ = reference(params, embeddings[s], blocks, None)
+                got, want = (np.asarray(a, np.float32) for a in (out, want))
+                rels.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
             # Kernels and reference sum in other orders, so an AttnRes output element may land
             # one bf16 ulp (2**-8 relative) apart; each layer can add that much again.
             bound = (args.layers + 1) * 2.0**-8
-            rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-            print(f"check against the reference step: relative L2 difference {rel:.2e} "
+            worst = max(rels)
+            print(f"check against the reference step: relative L2 difference {worst:.2e} at "
+                  f"worst over {len(rels)} steps, median {np.median(rels):.2e} "
                   f"(bound {bound:.2e})")
-            if not rel < bound:
-                raise SystemExit(f"kernel step differs from the reference: {rel:.2e} >= {bound:.2e}")
+            if not worst < bound:
+                raise SystemExit(f"kernel step differs from the reference: {worst:.2e} >= "
+                                 f"{bound:.2e}")
         mailbox.close()
 
 

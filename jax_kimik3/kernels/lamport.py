@@ -19,7 +19,10 @@ of L's parity, before it has consumed layer L+1, which needs r's L+1 rows. So L+
 land before L's re-arm. Separate kernels on one stream get "re-arm before the next publish"
 from the kernel boundary; a fused producer+consumer kernel must put a `fence.acq_rel.sys`
 between its re-arm stores and its next publish, or a peer may see the publish first and its
-L+2 rows be overwritten by a late re-arm.
+L+2 rows be overwritten by a late re-arm. The argument needs the parities to alternate from
+one all-reduce to the next: after the last layer of a step with an odd layer count, layer 0
+of the next step reuses parity 0, so the ranks must be ordered in between (a host sync on the
+step's output, or any collective) or a fast rank's rows replace ones a peer has not read.
 
 A consumer or owner that waits longer than `max_spins` polls on one word (a peer that never
 publishes) sets its rank's status word and finishes with wrong rows: `Mailbox.check()` raises
