@@ -4,11 +4,14 @@ from jax_kimik3.api import (all_reduce, all_reduce_virtual, attn_res, attn_res_s
                             oproj_attn_res, oproj_attn_res_virtual)
 from jax_kimik3.config import KIMI_K3, CallSite, KimiK3Config, LayerPlan
 from jax_kimik3.layer import AttentionTail, AttnResWeights, final_attn_res
-from jax_kimik3.mailbox import Mailbox, MailboxLayout, MailboxSpec
+from jax_kimik3.mailbox import DEFAULT_TIMEOUT_MS, Mailbox, MailboxLayout, MailboxSpec
+from jax_kimik3.statistics import AttnResStatistics
 
 __all__ = [
     "AttentionTail",
+    "AttnResStatistics",
     "AttnResWeights",
+    "DEFAULT_TIMEOUT_MS",
     "KIMI_K3",
     "CallSite",
     "KimiK3Config",

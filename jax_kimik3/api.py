@@ -1,4 +1,9 @@
-"""The public API (DESIGN.md §3): argument checks, then the math."""
+"""The public API (docs/model.md has the math and the contract): argument checks at trace time,
+then the math on the kernels or the reference.
+
+Each function checks its arguments in plain Python (so every problem is named before JAX
+traces anything; static arguments must be hashable), then runs a jitted implementation.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,12 @@ import jax.numpy as jnp
 
 from jax_kimik3 import reference
 from jax_kimik3.backend import Backend, use_kernels
-from jax_kimik3.validation import (Checker, check_attn_res, check_backend, check_blocks,
-                                   check_mailbox_rows, check_weights)
+from jax_kimik3.config import KIMI_K3
+from jax_kimik3.statistics import AttnResStatistics
+from jax_kimik3.validation import (CAPACITY, Checker, check_attn_res, check_axis, check_backend,
+                                   check_blocks, check_mailbox, check_rows, check_weights)
 
-
-def _table(mailbox, peer_table):
-    """The peer table operand: `peer_table`, or the live mailbox's own as a constant."""
-    return jnp.asarray(mailbox.peer_table) if peer_table is None else peer_table
+EPS = KIMI_K3.rms_norm_eps
 
 
 def _kernels():
@@ -24,146 +28,214 @@ def _kernels():
     return attn_res_ops
 
 
-@functools.partial(jax.jit, static_argnames=("num_blocks", "write_idx", "eps", "out_eps",
-                                             "backend"))
+def _table(mailbox, peer_table):
+    """The peer table operand: `peer_table`, or the live mailbox's own as a constant."""
+    return jnp.asarray(mailbox.peer_table) if peer_table is None else peer_table
+
+
 def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, delta=None,
-             write_idx=-1, eps=1e-5, out_eps=1e-5, stats=None, backend: Backend = "auto"):
+             write_idx=-1, eps=EPS, out_eps=EPS, stats=None, backend: Backend = "auto"):
     """Block AttnRes: mix `num_blocks` saved blocks with the (delta-updated) prefix, then RMSNorm.
 
     Returns (out [B, H] bf16, new_prefix [B, H] bf16, new_blocks [B, NB, H] bf16).
     `write_idx` >= 0 stores the new prefix to blocks[:, write_idx] first; `out_norm_w=None`
-    returns the mix itself; `stats=(mixture, scal)` from `attn_res_statistics` stands in for
-    the saved blocks. `backend`: "auto" (kernels on a GPU), "kernel" or "reference".
+    returns the mix itself; `stats` (the AttnResStatistics of `attn_res_statistics` for the
+    same `num_blocks`) stands in for the saved blocks. `backend`: "auto" (kernels on a GPU),
+    "kernel" or "reference".
     """
     check = Checker("attn_res")
-    check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-                   num_blocks=num_blocks, eps=eps, out_eps=out_eps, delta=delta,
-                   write_idx=write_idx, stats=stats)
-    check_backend(check, backend)
+    if check.hashable(num_blocks=num_blocks, write_idx=write_idx, eps=eps, out_eps=out_eps,
+                      backend=backend):
+        rows = check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                              num_blocks=num_blocks, eps=eps, out_eps=out_eps, delta=delta,
+                              write_idx=write_idx, stats=stats)
+        check_backend(check, backend, None if rows is None else rows[1])
     check.done()
+    return _attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks,
+                     delta=delta, write_idx=write_idx, eps=eps, out_eps=out_eps,
+                     stats=None if stats is None else tuple(stats), backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("num_blocks", "write_idx", "eps", "out_eps",
+                                             "backend"))
+def _attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, delta,
+              write_idx, eps, out_eps, stats, backend):
     impl = _kernels() if use_kernels(backend, prefix.shape[1]) else reference
     return impl.attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                          num_blocks=num_blocks, delta=delta, write_idx=write_idx, eps=eps,
                          out_eps=out_eps, stats=stats)
 
 
-@functools.partial(jax.jit, static_argnames=("num_blocks", "eps", "backend"))
-def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps=1e-5,
-                        backend: Backend = "auto"):
-    """Softmax statistics of blocks[:, :num_blocks]: (mixture [B, H] f32, scal [B, 2] f32 = (m, s))."""
+def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps=EPS,
+                        backend: Backend = "auto") -> AttnResStatistics:
+    """Softmax statistics of blocks[:, :num_blocks]: AttnResStatistics (mixture [B, H] f32,
+    scal [B, 2] f32 = (m, s)), for a later `attn_res(stats=...)` over the same blocks."""
     check = Checker("attn_res_statistics")
-    rows = check_blocks(check, blocks, num_blocks=num_blocks)
-    if rows is not None:
-        check_weights(check, rows[1], eps, res_norm_w=res_norm_w, res_proj_w=res_proj_w)
-    check_backend(check, backend)
+    if check.hashable(num_blocks=num_blocks, eps=eps, backend=backend):
+        rows = check_blocks(check, blocks, num_blocks=num_blocks)
+        if rows is not None:
+            check_weights(check, rows[1], eps, res_norm_w=res_norm_w, res_proj_w=res_proj_w)
+        check_backend(check, backend, None if rows is None else rows[1])
     check.done()
+    mixture, scal = _attn_res_statistics(blocks, res_norm_w, res_proj_w, num_blocks=num_blocks,
+                                         eps=eps, backend=backend)
+    return AttnResStatistics(mixture, scal, num_blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("num_blocks", "eps", "backend"))
+def _attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps, backend):
     impl = _kernels() if use_kernels(backend, blocks.shape[2]) else reference
     return impl.attn_res_statistics(blocks, res_norm_w, res_proj_w, num_blocks=num_blocks,
                                     eps=eps)
 
 
-@functools.partial(jax.jit, static_argnames=("axis_name", "num_blocks", "has_delta", "eps",
-                                             "out_eps", "mailbox", "parity", "two_shot",
-                                             "backend"))
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
-                   num_blocks, has_delta, eps=1e-5, out_eps=1e-5, mailbox=None, parity=0,
-                   peer_table=None, ahead=None, two_shot=None, backend: Backend = "auto"):
+                   num_blocks, has_delta, eps=EPS, out_eps=EPS, mailbox=None, peer_table=None,
+                   ahead=None, two_shot=None, backend: Backend = "auto"):
     """Row-parallel o_proj, its all-reduce over `axis_name`, then the post-attention AttnRes.
 
     Call inside `shard_map`: x [B, K_local] and w [H, K_local] are this rank's shards.
     Returns (out, new_prefix, new_blocks); without `has_delta` the new prefix is the reduced
-    attn_out (a new block starts) and `prefix` is not read. With a `mailbox` (one buffer per
-    rank of `axis_name`) and `parity` (layer % 2) the all-reduce and AttnRes run as kernels:
-    the o_proj producer publishes, then an AttnRes kernel sums the mailbox slots (in one fused
-    launch or two, or with XLA's dot, as `tuning.TAIL_VARIANTS` says for B, K); without one,
-    XLA's dot, psum and the reference. `mailbox` may be a `MailboxSpec` with the peer table
-    passed as the `peer_table` operand (for steps exported or compiled ahead of time).
-    `ahead=(res_norm_w, res_proj_w)` of a later call site that mixes the same saved blocks
-    (the next layer's pre-attention, or the final call): their statistics under those weights,
-    as `attn_res_statistics` gives them, come back as a fourth result; the kernel path stores
+    attn_out (a new block starts) and `prefix` is not read. With a `mailbox` (a Mailbox of one
+    buffer per rank of `axis_name`, or its MailboxSpec with the live table as `peer_table`)
+    the all-reduce and AttnRes run as kernels (one launch or several, as
+    `tuning.TAIL_VARIANTS` says for B, K), the mailbox's buffers alternating with its calls;
+    without one, XLA's dot, psum and the reference. `ahead=(res_norm_w, res_proj_w)` of a
+    later call site that mixes the same saved blocks (the next layer's pre-attention, or the
+    final call): their AttnResStatistics come back as a fourth result; the kernel path stores
     them from the blocks it reads anyway, so the later call reads no block. `two_shot`
     (kernels): True or False forces the two-shot or one-shot all-reduce; None takes the
     measured table (jax_kimik3/tuning.py).
     """
     check = Checker("oproj_attn_res")
-    _check_tail(check, x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-                num_blocks=num_blocks, eps=eps, out_eps=out_eps, ahead=ahead, mailbox=mailbox,
-                parity=parity, axis_name=axis_name, peer_table=peer_table, backend=backend)
+    if check.hashable(axis_name=axis_name, num_blocks=num_blocks, has_delta=has_delta, eps=eps,
+                      out_eps=out_eps, mailbox=mailbox, two_shot=two_shot, backend=backend):
+        size = check_axis(check, axis_name)
+        _check_tail(check, x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                    num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
+                    ahead=ahead, mailbox=mailbox, peer_table=peer_table, two_shot=two_shot,
+                    backend=backend, axis_name=axis_name, ranks=size)
     check.done()
-    if mailbox is not None and use_kernels(backend, prefix.shape[1]):
+    spec = None if mailbox is None else mailbox.spec
+    table = None if mailbox is None else _table(mailbox, peer_table)
+    return _oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table,
+                           None if ahead is None else tuple(ahead), axis_name=axis_name,
+                           num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
+                           spec=spec, two_shot=two_shot, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("axis_name", "num_blocks", "has_delta", "eps",
+                                             "out_eps", "spec", "two_shot", "backend"))
+def _oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table, ahead, *,
+                    axis_name, num_blocks, has_delta, eps, out_eps, spec, two_shot, backend):
+    if spec is not None and use_kernels(backend, prefix.shape[1]):
         from jax_kimik3.kernels import oproj
 
         rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-        return oproj.oproj_attn_res(
-            x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-            table=_table(mailbox, peer_table), rank=rank, layout=mailbox.layout, parity=parity,
-            num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
-            multicast=mailbox.multicast, ahead=None if ahead is None else tuple(ahead),
-            two_shot=two_shot)
+        out, new_prefix, *stats = oproj.tail(
+            x[None], w[None], prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
+            ranks=rank, spec=spec, num_blocks=num_blocks, has_delta=has_delta, eps=eps,
+            out_eps=out_eps, ahead=ahead, two_shot=two_shot)
+        return (out[0], new_prefix[0], blocks,
+                *(AttnResStatistics(m[0], s[0], num_blocks) for m, s in stats))
     results = reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                                        axis_name=axis_name, num_blocks=num_blocks,
                                        has_delta=has_delta, eps=eps, out_eps=out_eps)
     return _with_ahead(results, blocks, ahead, num_blocks, eps)
 
 
-@functools.partial(jax.jit, static_argnames=("num_blocks", "has_delta", "eps", "out_eps",
-                                             "mailbox", "parity", "two_shot", "backend"))
 def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
-                           num_blocks, has_delta, eps=1e-5, out_eps=1e-5, mailbox=None, parity=0,
+                           num_blocks, has_delta, eps=EPS, out_eps=EPS, mailbox=None,
                            peer_table=None, ahead=None, two_shot=None,
                            backend: Backend = "auto"):
     """Every TP rank's `oproj_attn_res` on one device ("virtual TP", no shard_map): x
     [TP, B, K/TP] and w [TP, H, K/TP] are the ranks' shards.
 
     Returns each rank's (out [TP, B, H], new_prefix [TP, B, H]), new_blocks, and with `ahead`
-    each rank's (mixture [TP, B, H], scal [TP, B, 2]); the ranks agree bit for bit. With a
-    `Mailbox.virtual` mailbox (or its spec and `peer_table=`) the kernels run every rank
-    (one fused launch, or every rank's producer then every consumer); without one, the
-    reference. The other arguments as in `oproj_attn_res`.
+    each rank's AttnResStatistics (mixture [TP, B, H], scal [TP, B, 2]); the ranks agree bit
+    for bit. With a `Mailbox.virtual` mailbox (or its spec and `peer_table=`) the kernels run
+    every rank in the one composition `oproj_attn_res` runs for one (every rank's producer
+    before any rank's consumer); without one, the reference. The other arguments as in
+    `oproj_attn_res`.
     """
     check = Checker("oproj_attn_res_virtual")
-    if x.ndim != 3 or w.ndim != 3 or x.shape[0] != w.shape[0]:
-        check.fail(f"x has shape={tuple(x.shape)} and w shape={tuple(w.shape)}; expected "
-                   "[TP, B, K/TP] and [TP, H, K/TP]")
-    elif mailbox is not None and x.shape[0] != mailbox.tp:
-        check.fail(f"x has TP={x.shape[0]} shards; the mailbox has tp={mailbox.tp}")
-    else:
-        _check_tail(check, x[0], w[0], prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-                    num_blocks=num_blocks, eps=eps, out_eps=out_eps, ahead=ahead,
-                    mailbox=mailbox, parity=parity, peer_table=peer_table, backend=backend)
+    if check.hashable(num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
+                      mailbox=mailbox, two_shot=two_shot, backend=backend):
+        if not all(hasattr(a, "ndim") for a in (x, w)) or x.ndim != 3 or w.ndim != 3 or (
+                x.shape[0] != w.shape[0]):
+            check.fail(f"x has shape={getattr(x, 'shape', x)} and w shape="
+                       f"{getattr(w, 'shape', w)}; expected [TP, B, K/TP] and [TP, H, K/TP]")
+        else:
+            _check_tail(check, x[0], w[0], prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                        num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
+                        ahead=ahead, mailbox=mailbox, peer_table=peer_table, two_shot=two_shot,
+                        backend=backend, ranks=x.shape[0], virtual=True)
     check.done()
-    if mailbox is not None and use_kernels(backend, prefix.shape[1]):
+    spec = None if mailbox is None else mailbox.spec
+    table = None if mailbox is None else _table(mailbox, peer_table)
+    return _oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                                   table, None if ahead is None else tuple(ahead),
+                                   num_blocks=num_blocks, has_delta=has_delta, eps=eps,
+                                   out_eps=out_eps, spec=spec, two_shot=two_shot,
+                                   backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("num_blocks", "has_delta", "eps", "out_eps",
+                                             "spec", "two_shot", "backend"))
+def _oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table,
+                            ahead, *, num_blocks, has_delta, eps, out_eps, spec, two_shot,
+                            backend):
+    tp = x.shape[0]
+    if spec is not None and use_kernels(backend, prefix.shape[1]):
         from jax_kimik3.kernels import oproj
 
-        results = oproj.tail_virtual(
-            x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-            table=_table(mailbox, peer_table), layout=mailbox.layout, parity=parity,
-            num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
-            ahead=None if ahead is None else tuple(ahead), two_shot=two_shot)
-        return (*results[:2], blocks, *results[2:])
+        out, new_prefix, *stats = oproj.tail(
+            x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
+            ranks=jnp.arange(tp, dtype=jnp.int32), spec=spec, num_blocks=num_blocks,
+            has_delta=has_delta, eps=eps, out_eps=out_eps, ahead=ahead, two_shot=two_shot)
+        return (out, new_prefix, blocks,
+                *(AttnResStatistics(m, s, num_blocks) for m, s in stats))
     out, new_prefix, new_blocks, *stats = _with_ahead(reference.oproj_attn_res_virtual(
         x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks,
         has_delta=has_delta, eps=eps, out_eps=out_eps), blocks, ahead, num_blocks, eps)
-    ranks = functools.partial(jax.tree.map, lambda a: jnp.broadcast_to(a, (x.shape[0], *a.shape)))
+    ranks = functools.partial(jax.tree.map, lambda a: jnp.broadcast_to(a, (tp, *a.shape)))
     return (*ranks((out, new_prefix)), new_blocks, *ranks(stats))
 
 
 def _check_tail(check, x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks,
-                eps, out_eps, ahead, mailbox, parity, backend, axis_name=None, peer_table=None):
-    """The arguments of one rank's post-attention tail, into `check`."""
+                has_delta, eps, out_eps, ahead, mailbox, peer_table, two_shot, backend, ranks,
+                axis_name=None, virtual=False):
+    """The arguments of the ranks' post-attention tail, into `check`; `ranks`: TP (the axis
+    size, or the virtual shards' count), None if unknown."""
+    check.flag("has_delta", has_delta)
+    check.flag("two_shot", two_shot, optional=True)
     rows = check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                           num_blocks=num_blocks, eps=eps, out_eps=out_eps)
     if rows is not None and check.array("x", x, (rows[0], None), jnp.bfloat16):
-        check.array("w", w, (rows[1], x.shape[1]), jnp.bfloat16)
+        k = x.shape[1]
+        check.array("w", w, (rows[1], k), jnp.bfloat16)
+        if rows[1] == KIMI_K3.hidden_size and ranks is not None and (
+                k * ranks != KIMI_K3.o_proj_in_features):
+            check.fail(f"x has K={k} columns per rank at TP={ranks}: {k * ranks} in all; "
+                       f"Kimi K3's o_proj has o_proj_in_features={KIMI_K3.o_proj_in_features}")
     if ahead is not None and rows is not None:
         if not (isinstance(ahead, (tuple, list)) and len(ahead) == 2):
             check.fail(f"ahead must be a (res_norm_w, res_proj_w) pair, got {type(ahead).__name__}")
         else:
             check_weights(check, rows[1], eps, **{"ahead[0] (res_norm_w)": ahead[0],
                                                   "ahead[1] (res_proj_w)": ahead[1]})
-    check_backend(check, backend)
+    check_backend(check, backend, None if rows is None else rows[1])
     if mailbox is not None:
-        check_mailbox_rows(check, prefix, "prefix", mailbox, parity, axis_name, peer_table)
+        spec = check_mailbox(check, mailbox, peer_table, axis_name=axis_name, axis_size=ranks,
+                             virtual=virtual)
+        if spec is not None and rows is not None:
+            if rows[0] <= CAPACITY:  # larger: check_attn_res said so
+                check.batch("prefix", rows[0], spec.layout.capacity)
+            if rows[1] != spec.layout.hidden:
+                check.fail(f"prefix has H={rows[1]}; the mailbox's rows have "
+                           f"hidden={spec.layout.hidden}")
+            if virtual and ranks != spec.tp:
+                check.fail(f"x has TP={ranks} shards; the mailbox has tp={spec.tp}")
     elif backend == "kernel":
         check.fail("backend='kernel' needs mailbox= (the all-reduce's peer buffers)")
 
@@ -172,46 +244,73 @@ def _with_ahead(results, blocks, ahead, num_blocks, eps):
     """The reference tail's results, with the `ahead` site's statistics if asked for."""
     if ahead is None:
         return results
-    return (*results, reference.attn_res_statistics(blocks, *ahead, num_blocks=num_blocks,
-                                                    eps=eps))
+    mixture, scal = reference.attn_res_statistics(blocks, *ahead, num_blocks=num_blocks, eps=eps)
+    return (*results, AttnResStatistics(mixture, scal, num_blocks))
 
 
-@functools.partial(jax.jit, static_argnames=("mailbox", "axis_name", "parity", "two_shot",
-                                             "max_spins"))
-def all_reduce(rows, mailbox, *, axis_name, parity, two_shot=False, max_spins=None,
-               peer_table=None):
+def all_reduce(rows, mailbox, *, axis_name, two_shot=False, peer_table=None):
     """Sum of every TP rank's bf16 rows [B, H] through `mailbox`'s Lamport slots (in shard_map).
 
     One-shot: each rank receives every peer's rows; two-shot: each rank reduces the H/TP columns
     it owns and sends them back. Every rank gets bitwise-identical rows (fp32 sums in rank
-    order). `parity` alternates by layer; `max_spins` bounds each poll (see kernels.lamport_ops);
-    `peer_table` as in `oproj_attn_res`.
+    order). The buffer follows the mailbox's call counter; a wait gives up after the
+    mailbox's `timeout_ms` (NaN rows, `Mailbox.check()` raises). `peer_table` as in
+    `oproj_attn_res`.
     """
-    from jax_kimik3.kernels import lamport_ops as lamport
-
     check = Checker("all_reduce")
-    check_mailbox_rows(check, rows, "rows", mailbox, parity, axis_name, peer_table)
+    if check.hashable(mailbox=mailbox, axis_name=axis_name, two_shot=two_shot):
+        size = check_axis(check, axis_name)
+        _check_reduce(check, rows, "rows", mailbox, peer_table, two_shot, axis_name=axis_name,
+                      ranks=size)
     check.done()
+    return _all_reduce(rows, _table(mailbox, peer_table), axis_name=axis_name,
+                       spec=mailbox.spec, two_shot=two_shot)
+
+
+@functools.partial(jax.jit, static_argnames=("axis_name", "spec", "two_shot"))
+def _all_reduce(rows, table, *, axis_name, spec, two_shot):
+    from jax_kimik3.kernels import lamport_ops
+
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-    return lamport.all_reduce(rows, _table(mailbox, peer_table), rank, layout=mailbox.layout,
-                              parity=parity, two_shot=two_shot, multicast=mailbox.multicast,
-                              max_spins=max_spins or lamport.MAX_SPINS)
+    return lamport_ops.all_reduce(rows[None], table, rank, spec=spec, two_shot=two_shot)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("mailbox", "parity", "two_shot", "max_spins"))
-def all_reduce_virtual(partials, mailbox, *, parity, two_shot=False, max_spins=None, after=None):
-    """Every rank on one GPU ("virtual TP"): partials [TP, B, H] bf16 → each rank's sum [TP, B, H].
-
-    Runs every rank's producer, then every consumer, through a `Mailbox.virtual` mailbox.
-    """
-    from jax_kimik3.kernels import lamport_ops as lamport
-
+def all_reduce_virtual(partials, mailbox, *, two_shot=False, peer_table=None):
+    """Every rank on one GPU ("virtual TP"): partials [TP, B, H] bf16 → each rank's sum
+    [TP, B, H], through a `Mailbox.virtual` mailbox: the one composition `all_reduce` runs for
+    one rank, for all of them (every publish, then every consumer)."""
     check = Checker("all_reduce_virtual")
-    if partials.ndim != 3 or partials.shape[0] != mailbox.tp:
-        check.fail(f"partials has shape={tuple(partials.shape)}; expected [tp={mailbox.tp}, B, H]")
-    else:
-        check_mailbox_rows(check, partials[0], "partials[r]", mailbox, parity)
+    if check.hashable(mailbox=mailbox, two_shot=two_shot):
+        if not hasattr(partials, "ndim") or partials.ndim != 3:
+            check.fail(f"partials has shape={getattr(partials, 'shape', partials)}; expected "
+                       "[TP, B, H]")
+        else:
+            _check_reduce(check, partials[0], "partials[r]", mailbox, peer_table, two_shot,
+                          ranks=partials.shape[0], virtual=True)
     check.done()
-    return lamport.all_reduce_virtual(partials, jnp.asarray(mailbox.peer_table),
-                                      layout=mailbox.layout, parity=parity, two_shot=two_shot,
-                                      max_spins=max_spins or lamport.MAX_SPINS, after=after)
+    return _all_reduce_virtual(partials, _table(mailbox, peer_table), spec=mailbox.spec,
+                               two_shot=two_shot)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "two_shot"))
+def _all_reduce_virtual(partials, table, *, spec, two_shot):
+    from jax_kimik3.kernels import lamport_ops
+
+    ranks = jnp.arange(partials.shape[0], dtype=jnp.int32)
+    return lamport_ops.all_reduce(partials, table, ranks, spec=spec, two_shot=two_shot)
+
+
+def _check_reduce(check, rows, name, mailbox, peer_table, two_shot, *, ranks, axis_name=None,
+                  virtual=False):
+    check.flag("two_shot", two_shot)
+    shape = check_rows(check, name, rows)
+    spec = check_mailbox(check, mailbox, peer_table, axis_name=axis_name, axis_size=ranks,
+                         virtual=virtual)
+    if spec is None or shape is None:
+        return
+    if shape[0] <= CAPACITY:  # larger: check_rows said so
+        check.batch(name, shape[0], spec.layout.capacity)
+    if shape[1] != spec.layout.hidden:
+        check.fail(f"{name} has H={shape[1]}; the mailbox's rows have hidden={spec.layout.hidden}")
+    if virtual and ranks != spec.tp:
+        check.fail(f"partials has TP={ranks} shards; the mailbox has tp={spec.tp}")

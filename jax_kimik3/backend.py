@@ -61,19 +61,27 @@ def kernels_available() -> bool:
             or (mode != "jit" and native.library() is not None))
 
 
+def kernel_problem(hidden=None) -> str | None:
+    """Why `backend="kernel"` cannot run here, or None. The kernels need a CUDA GPU; a host
+    without one may still lower them for CUDA (tests, `jax.export`, the library's build):
+    with CUTE_DSL_ARCH naming the GPU to compile for, or from the library (aot mode)."""
+    if hidden is not None and hidden != KIMI_K3.hidden_size:
+        return (f"the kernels are built for H={KIMI_K3.hidden_size}; got H={hidden} (use "
+                "backend='reference')")
+    if not kernels_available():
+        return (f"needs nvidia-cutlass-dsl installed or, with {KERNELS_ENV}={kernel_mode()}, "
+                f"the kernel library at {native.library_path()}")
+    if (jax.default_backend() != "gpu" and not os.environ.get("CUTE_DSL_ARCH")
+            and kernel_mode() != "aot"):
+        return (f"needs a CUDA GPU (JAX's default backend here is {jax.default_backend()!r}); "
+                "to lower the kernels for CUDA on this host, set CUTE_DSL_ARCH=sm_90a")
+    return None
+
+
 def use_kernels(backend: Backend, hidden: int) -> bool:
-    """"kernel" forces the kernels (they compile for the GPU even where none is attached, e.g.
-    to lower for CUDA on a CPU host); "auto" takes them on a GPU where they apply."""
-    applies = hidden == KIMI_K3.hidden_size
+    """Whether a call runs the kernels: "kernel" (checked by `kernel_problem` first), or
+    "auto" on a GPU where they apply."""
     if backend == "kernel":
-        if not applies:
-            raise NotImplementedError(
-                f"the kernels are built for H={KIMI_K3.hidden_size}; got H={hidden} "
-                "(use backend='reference')")
-        if not kernels_available():
-            raise NotImplementedError(
-                f"backend='kernel' needs nvidia-cutlass-dsl installed or, with "
-                f"{KERNELS_ENV}={kernel_mode()}, the kernel library at {native.library_path()}")
         return True
-    return (backend == "auto" and applies and jax.default_backend() == "gpu"
-            and kernels_available())
+    return (backend == "auto" and hidden == KIMI_K3.hidden_size
+            and jax.default_backend() == "gpu" and kernels_available())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Literal
 
 CallSiteName = Literal["pre_attention", "post_attention", "final"]
@@ -27,15 +28,24 @@ class CallSite:
     write_idx: int = -1
 
 
+def _integer(name, value, low, high=None) -> int:
+    """`value` as an int in [low, high]; a ValueError names it otherwise (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r} must be an integer")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}={value} must be {bound}")
+    return int(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
-    """What decoder layer `index` does at decode time (DESIGN.md §1)."""
+    """What decoder layer `index` does at decode time (docs/model.md)."""
 
     index: int
     is_block_write_layer: bool
     block_write_idx: int
     prev_valid_blocks: int
-    parity: int
     is_mla: bool
     pre_attention: CallSite
     post_attention: CallSite
@@ -56,9 +66,11 @@ class KimiK3Config:
     def __post_init__(self):
         for field in ("hidden_size", "num_layers", "attn_res_block_size", "o_proj_in_features",
                       "mla_period", "mailbox_capacity"):
-            value = getattr(self, field)
-            if value < 1:
-                raise ValueError(f"{field}={value} must be >= 1")
+            _integer(field, getattr(self, field), 1)
+        eps = self.rms_norm_eps
+        if (isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps)
+                or not eps > 0):
+            raise ValueError(f"rms_norm_eps={eps!r} must be a finite number > 0")
 
     @property
     def num_attn_res_blocks(self) -> int:
@@ -67,14 +79,14 @@ class KimiK3Config:
 
     def o_proj_local_features(self, tp: int) -> int:
         """K of one rank's o_proj shard at tensor parallelism `tp`."""
-        if tp < 1 or self.o_proj_in_features % tp:
+        _integer("tp", tp, 1)
+        if self.o_proj_in_features % tp:
             raise ValueError(f"tp={tp} must divide o_proj_in_features={self.o_proj_in_features}")
         return self.o_proj_in_features // tp
 
     def layer(self, index: int) -> LayerPlan:
         """The plan of decoder layer `index` (0-based)."""
-        if not 0 <= index < self.num_layers:
-            raise ValueError(f"layer index={index} must be in [0, {self.num_layers})")
+        index = _integer("layer index", index, 0, self.num_layers - 1)
         size = self.attn_res_block_size
         write = index % size == 0
         write_idx = index // size if write else -1
@@ -86,7 +98,7 @@ class KimiK3Config:
             "post_attention", "mlp_res_norm", "mlp_res_proj", "post_attention_layernorm",
             num_blocks=prev_valid + write, has_delta=not write)
         is_mla = index % self.mla_period == self.mla_period - 1 or index == self.num_layers - 1
-        return LayerPlan(index, write, write_idx, prev_valid, index % 2, is_mla, pre, post)
+        return LayerPlan(index, write, write_idx, prev_valid, is_mla, pre, post)
 
     def layers(self) -> tuple[LayerPlan, ...]:
         """Every decoder layer's plan, in order."""
@@ -94,9 +106,8 @@ class KimiK3Config:
 
     def final(self, num_layers: int | None = None) -> CallSite:
         """The AttnRes after the last layer (after `num_layers` layers; all of them by default)."""
-        n = self.num_layers if num_layers is None else num_layers
-        if not 1 <= n <= self.num_layers:
-            raise ValueError(f"num_layers={n} must be in [1, {self.num_layers}]")
+        n = self.num_layers if num_layers is None else _integer("num_layers", num_layers, 1,
+                                                                  self.num_layers)
         blocks = math.ceil(n / self.attn_res_block_size)
         return CallSite("final", "output_attn_res_norm", "output_attn_res_proj", "norm",
                         num_blocks=blocks, has_delta=True)

@@ -1,7 +1,8 @@
 """One decoder layer's attention tail with its plan bound, for decode loops in jax.jit +
 shard_map: the pre-attention AttnRes, the post-attention tail (o_proj, all-reduce, AttnRes)
 and, after the last layer, the final AttnRes. The plan (config.LayerPlan) supplies each call
-site's saved-block count, delta, block write and mailbox parity; weights are operands.
+site's saved-block count, delta and block write; weights are operands. (Which mailbox buffer
+a tail uses is the mailbox's business: its call counter, not the layer.)
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Any, NamedTuple
 import jax
 
 from jax_kimik3 import api
-from jax_kimik3.backend import Backend
+from jax_kimik3.backend import BACKENDS, Backend
 from jax_kimik3.config import KIMI_K3, LayerPlan
+from jax_kimik3.mailbox import Mailbox, MailboxSpec
 
 
 class AttnResWeights(NamedTuple):
@@ -28,6 +30,14 @@ class AttnResWeights(NamedTuple):
 # Exported steps (jax_kimik3.aot) keep their argument pytrees: name this one for them.
 jax.export.register_namedtuple_serialization(AttnResWeights,
                                              serialized_name="jax_kimik3.AttnResWeights")
+
+
+def _weights(where, weights, name="weights"):
+    """`weights` must be the call site's AttnResWeights."""
+    if not isinstance(weights, AttnResWeights):
+        raise ValueError(f"{where}: {name}={weights!r:.60} must be an AttnResWeights "
+                         "(res_norm_w, res_proj_w, out_norm_w)")
+    return weights
 
 
 def _delta(site, delta):
@@ -48,18 +58,34 @@ class AttentionTail:
     mailbox: Any = None
     backend: Backend = "auto"
 
+    def __post_init__(self):
+        problems = []
+        if not isinstance(self.plan, LayerPlan):
+            problems.append(f"plan={self.plan!r} must be a LayerPlan (KIMI_K3.layer(i))")
+        try:
+            hash(self.axis_name)
+        except TypeError:
+            problems.append(f"axis_name={self.axis_name!r} must be hashable (a mesh axis name)")
+        if self.mailbox is not None and not isinstance(self.mailbox, (Mailbox, MailboxSpec)):
+            problems.append(f"mailbox={self.mailbox!r} must be a Mailbox, a MailboxSpec or None")
+        if self.backend not in BACKENDS:
+            problems.append(f"backend={self.backend!r} must be one of {BACKENDS}")
+        if problems:
+            raise ValueError("AttentionTail: " + "; ".join(problems))
+
     def pre_attention(self, weights: AttnResWeights, prefix, blocks, delta=None, stats=None):
         """(attention input, new prefix, new blocks): the last MLP output `delta` (None at layer
         0) joins the prefix, a block-write layer saves it, then the mix and input_layernorm.
         `stats` from `pre_attention_statistics` stand in for the saved blocks."""
         site = self.plan.pre_attention
-        return api.attn_res(prefix, blocks, *weights, num_blocks=site.num_blocks,
+        return api.attn_res(prefix, blocks, *_weights(site.name, weights), num_blocks=site.num_blocks,
                             delta=_delta(site, delta), write_idx=site.write_idx, stats=stats,
                             backend=self.backend)
 
     def pre_attention_statistics(self, weights: AttnResWeights, blocks):
         """The pre-attention's softmax statistics of the saved blocks it mixes: computable as
         soon as the last block before this layer is written, i.e. one layer ahead."""
+        weights = _weights("pre_attention_statistics", weights)
         return api.attn_res_statistics(blocks, weights.res_norm_w, weights.res_proj_w,
                                        num_blocks=self.plan.pre_attention.num_blocks,
                                        backend=self.backend)
@@ -73,10 +99,12 @@ class AttentionTail:
         layer the final call's), which mixes the same saved blocks: its statistics come back
         as a fourth result, for its `stats=`."""
         site = self.plan.post_attention
+        if ahead is not None:
+            _weights(site.name, ahead, "ahead")
         return api.oproj_attn_res(
-            x, o_proj, prefix, blocks, *weights, axis_name=self.axis_name,
+            x, o_proj, prefix, blocks, *_weights(site.name, weights), axis_name=self.axis_name,
             num_blocks=site.num_blocks, has_delta=site.has_delta, mailbox=self.mailbox,
-            parity=self.plan.parity, peer_table=peer_table,
+            peer_table=peer_table,
             ahead=None if ahead is None else (ahead.res_norm_w, ahead.res_proj_w),
             backend=self.backend)
 
@@ -88,16 +116,16 @@ class AttentionTail:
         [TP, H, K/TP] are the ranks' shards. The ranks agree bit for bit; this returns rank
         0's results, as `post_attention` does."""
         site = self.plan.post_attention
+        if ahead is not None:
+            _weights(site.name, ahead, "ahead")
         out, prefix, blocks, *stats = api.oproj_attn_res_virtual(
-            x, o_proj, prefix, blocks, *weights, num_blocks=site.num_blocks,
-            has_delta=site.has_delta, mailbox=self.mailbox, parity=self.plan.parity,
-            peer_table=peer_table,
+            x, o_proj, prefix, blocks, *_weights(site.name, weights), num_blocks=site.num_blocks,
+            has_delta=site.has_delta, mailbox=self.mailbox, peer_table=peer_table,
             ahead=None if ahead is None else (ahead.res_norm_w, ahead.res_proj_w),
             backend=self.backend)
         if ahead is None:
             return out[0], prefix[0], blocks
-        mixture, scal = stats[0]
-        return out[0], prefix[0], blocks, (mixture[0], scal[0])
+        return out[0], prefix[0], blocks, jax.tree.map(lambda a: a[0], stats[0])
 
 
 def final_attn_res(weights: AttnResWeights, prefix, blocks, delta, *, stats=None,
@@ -105,5 +133,5 @@ def final_attn_res(weights: AttnResWeights, prefix, blocks, delta, *, stats=None
     """The AttnRes after the last of `num_layers` layers (model.norm as the output norm);
     `stats` from the last layer's `post_attention(ahead=)` stand in for the saved blocks."""
     site = KIMI_K3.final(num_layers)
-    return api.attn_res(prefix, blocks, *weights, num_blocks=site.num_blocks,
+    return api.attn_res(prefix, blocks, *_weights("final", weights), num_blocks=site.num_blocks,
                         delta=_delta(site, delta), stats=stats, backend=backend)[0]

@@ -1,22 +1,26 @@
 """Sentinel-armed ("Lamport") mailboxes in peer-mapped GPU memory for the TP all-reduce.
 
 Each rank owns one buffer, allocated with cuda-python's VMM API (cuMemCreate on the rank's
-device, cuMemMap into one virtual range, cuMemSetAccess for every device of the mesh), so a
+device, cuMemMap into one virtual range, cuMemSetAccess for every device of the mailbox), so a
 single process's kernels read and write every rank's buffer through one address (unified VA).
-A rank's buffer, bf16 unless said, at these byte offsets (T = TP, C = capacity rows, H = hidden):
+A rank's buffer at these byte offsets (T = TP, C = capacity rows, H = hidden; bf16 unless said):
 
 | region | shape | bytes |
 |---|---|---|
-| one-shot slots | [2 parities, T ranks, C, H] | 2·T·C·H·2 |
+| one-shot slots | [2 buffers, T ranks, C, H] | 2·T·C·H·2 |
 | two-shot receive | [2, T ranks, C, H/T] (chunk `rank` of each peer's rows) | 2·C·H·2 |
 | two-shot gather | [2, C, H] (every owner's reduced chunk) | 2·C·H·2 |
-| status | one int32: 1 after a consumer's bounded spin timed out | 4 |
+| control | int32 words (CONTROL): the call counter, the failure record | 32 |
 
 rounded up to the allocation granularity. Every bf16 region is armed with the 32-bit word
-0x80000000 (SENTINEL); status starts at 0. Kernels find the buffers through the peer table:
-uint32 [T + 1, 2] = (low, high) words of each rank's address, then of the multicast address
-(0 without one): an ordinary JAX input, no x64 needed. "Virtual TP" puts all T buffers on one
-device, so one GPU runs the protocol.
+0x80000000 (SENTINEL); the control words start at 0. Which of the two buffers a call uses is
+`calls % 2`, from the rank's own call counter in device memory, which the last kernel of every
+all-reduce advances: the buffers alternate with the sequence of calls, whatever the layer.
+Kernels find the buffers through the peer table: uint32 [T + 1, 2] = (low, high) words of
+each rank's address, then of the multicast address (0 without one): an ordinary JAX input, no
+x64 needed. "Virtual TP" puts all T buffers on one device, so one GPU runs the protocol.
+docs/protocol.md has the protocol: arming, one-shot, two-shot, fused, why two buffers are
+safe, the memory model of every store and poll, timeouts and recovery.
 
 `multicast=True` also binds the T buffers to one NVLink multicast object (cuMulticastCreate)
 mapped at one more address: a `multimem.st` there lands in every rank's buffer, so a producer
@@ -29,6 +33,8 @@ it has therefore never run here.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 import weakref
 
@@ -37,30 +43,69 @@ import numpy as np
 from jax_kimik3.config import KIMI_K3
 
 SENTINEL = 0x80000000  # fp32 -0: a mailbox word no producer can publish (bf16 -0 becomes +0)
-PARITIES = 2  # layer i uses parity i % 2; why two suffice: jax_kimik3/kernels/lamport.py
+BUFFERS = 2  # slot buffers; a call uses buffer `calls % 2` (docs/protocol.md: why two suffice)
+DEFAULT_TIMEOUT_MS = 10_000.0  # a wait gives up after this long (Mailbox(timeout_ms=...))
+MAX_TIMEOUT_MS = 600_000.0  # ten minutes: a longer bound is no bound
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
                  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 _ALIGN = 256
+
+
+class CONTROL:
+    """Indices of the int32 control words of a rank's buffer (at MailboxLayout.control)."""
+
+    CALLS = 0  # all-reduces this rank has completed since arm(): the next uses buffer CALLS % 2
+    FAILED = 1  # nonzero: a rank's wait gave up; every kernel on the mailbox writes NaN, waits not
+    TIMED_OUT = 2  # 1 + CALLS of the call in which this rank's own wait gave up (0: never)
+    MISSING = 3  # bit q: this rank's wait gave up on rows of rank q
+    WAITER = 4  # which kernel gave up (WAITERS)
+    ARRIVALS = 5  # CTAs of the running call's last kernel that are done (the last advances CALLS)
+    WORDS = 8
+
+
+WAITERS = {1: "all-reduce consumer", 2: "two-shot owner", 3: "AttnRes tail consumer",
+           4: "fused tail consumer"}
 
 
 def _align(n, to=_ALIGN):
     return (n + to - 1) // to * to
 
 
+def check_int(name, value, low, high=None):
+    """`value` must be an int (not a bool) in [low, high]; a ValueError names it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r} must be an integer")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}={value} must be {bound}")
+    return int(value)
+
+
+def check_timeout_ms(value) -> float:
+    """A wait's bound in ms: a finite number in (0, MAX_TIMEOUT_MS]."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_MS):
+        raise ValueError(f"timeout_ms={value!r} must be a number in (0, {MAX_TIMEOUT_MS:g}] "
+                         "(milliseconds a wait may last before it gives up)")
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class MailboxLayout:
-    """Byte offsets inside one rank's buffer (see the module docstring); pure arithmetic."""
+    """Byte offsets inside one rank's buffer (see the module docstring); pure arithmetic.
+    `buffer` may be a traced device integer: the kernels pass `calls % 2`."""
 
     tp: int
     capacity: int = KIMI_K3.mailbox_capacity
     hidden: int = KIMI_K3.hidden_size
 
     def __post_init__(self):
-        if self.tp < 1 or self.hidden % (8 * self.tp):
+        check_int("tp", self.tp, 1)
+        check_int("capacity", self.capacity, 1)
+        check_int("hidden", self.hidden, 1)
+        if self.hidden % (8 * self.tp):
             raise ValueError(f"tp={self.tp} must be >= 1 and divide hidden={self.hidden} into "
                              "whole 8-element vectors")
-        if self.capacity < 1:
-            raise ValueError(f"capacity={self.capacity} must be >= 1")
 
     @property
     def row_bytes(self) -> int:
@@ -71,50 +116,74 @@ class MailboxLayout:
         """Columns of the two-shot chunk each rank owns: H / TP."""
         return self.hidden // self.tp
 
-    def slot(self, parity: int, rank: int, row: int = 0) -> int:
-        """Row `row` of the one-shot slot that rank `rank` publishes into, at `parity`."""
-        return ((parity * self.tp + rank) * self.capacity + row) * self.row_bytes
+    def slot(self, buffer, rank, row=0):
+        """Row `row` of the one-shot slot that rank `rank` publishes into, in `buffer`."""
+        return ((buffer * self.tp + rank) * self.capacity + row) * self.row_bytes
 
     @property
     def one_shot_bytes(self) -> int:
-        return PARITIES * self.tp * self.capacity * self.row_bytes
+        return BUFFERS * self.tp * self.capacity * self.row_bytes
 
-    def receive(self, parity: int, rank: int, row: int = 0) -> int:
+    def receive(self, buffer, rank, row=0):
         """Row `row` of the two-shot receive slot of sending rank `rank`: H/T columns."""
         chunk_bytes = self.chunk * 2
-        return self.one_shot_bytes + ((parity * self.tp + rank) * self.capacity + row) * chunk_bytes
+        return self.one_shot_bytes + ((buffer * self.tp + rank) * self.capacity + row) * chunk_bytes
 
-    def gather(self, parity: int, row: int = 0) -> int:
-        """Row `row` of the two-shot gather region at `parity`."""
-        return self.one_shot_bytes + PARITIES * self.capacity * self.row_bytes + (
-            parity * self.capacity + row) * self.row_bytes
+    def gather(self, buffer, row=0):
+        """Row `row` of the two-shot gather region of `buffer`."""
+        return self.one_shot_bytes + BUFFERS * self.capacity * self.row_bytes + (
+            buffer * self.capacity + row) * self.row_bytes
 
     @property
     def armed_bytes(self) -> int:
         """The sentinel-armed prefix of the buffer: every bf16 region."""
-        return self.gather(PARITIES)
+        return self.gather(BUFFERS)
 
     @property
-    def status(self) -> int:
+    def control(self) -> int:
+        """Byte offset of the control words (CONTROL)."""
         return _align(self.armed_bytes)
+
+    def word(self, index) -> int:
+        """Byte offset of control word `index` (a CONTROL attribute)."""
+        return self.control + 4 * index
 
     @property
     def nbytes(self) -> int:
-        return self.status + _ALIGN
+        return self.control + _ALIGN
 
 
 @dataclasses.dataclass(frozen=True)
 class MailboxSpec:
-    """What a traced step needs to know of a mailbox, without its memory: the layout and
-    whether it is multicast. With it, the peer table travels as an operand (`peer_table=`),
-    so a compiled or exported step is not tied to one process's buffer addresses."""
+    """What a traced step needs to know of a mailbox, without its memory: the layout, whether
+    it is multicast, and how long a wait may last. With it, the peer table travels as an
+    operand (`peer_table=`), so a compiled or exported step is not tied to one process's
+    buffer addresses. `virtual`: every rank's buffer on one device (no mesh can use it)."""
 
     layout: MailboxLayout
     multicast: bool = False
+    timeout_ms: float = DEFAULT_TIMEOUT_MS
+    virtual: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.layout, MailboxLayout):
+            raise ValueError(f"layout={self.layout!r} must be a MailboxLayout")
+        for name in ("multicast", "virtual"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        object.__setattr__(self, "timeout_ms", check_timeout_ms(self.timeout_ms))
 
     @property
     def tp(self) -> int:
         return self.layout.tp
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.timeout_ms * 1e6)
+
+    @property
+    def spec(self) -> MailboxSpec:
+        return self
 
 
 def refuse_multicast(environ=os.environ):
@@ -132,36 +201,70 @@ def peer_table(addresses, multicast=0) -> np.ndarray:
     return words.reshape(len(addresses) + 1, 2)
 
 
-def _check(result):
-    """cuda-python returns (error, *values): raise on an error, return the values."""
-    error, *values = result
-    if int(error) != 0:
-        raise RuntimeError(f"CUDA driver call failed: {error!r}")
-    return values[0] if len(values) == 1 else values
+class Driver:
+    """cuda-python's driver API, each call checked: a failure raises a RuntimeError that names
+    the call and its arguments."""
+
+    def __init__(self):
+        try:
+            from cuda.bindings import driver
+        except ImportError as e:  # cuda-python is a dependency; its driver library may be absent
+            raise RuntimeError(f"Mailbox needs CUDA GPUs and their driver: {e}") from None
+        self.cu = driver
+
+    def __call__(self, name, *args):
+        error, *values = getattr(self.cu, name)(*args)
+        if int(error) != 0:
+            shown = ", ".join(_show(a) for a in args)
+            raise RuntimeError(f"CUDA driver call {name}({shown}) failed: {error!r}")
+        return values[0] if len(values) == 1 else values
+
+
+def _show(arg):
+    if isinstance(arg, int):
+        return hex(arg) if arg > 4096 else str(arg)
+    return type(arg).__name__
 
 
 class Mailbox:
     """One sentinel-armed buffer per TP rank; create with `for_devices` or `virtual`, then close.
 
-    Also a context manager; buffers still open at interpreter exit are freed then.
+    `ordinals`: the CUDA device of each rank's buffer (rank r on ordinals[r]); `timeout_ms`:
+    how long a kernel's wait for a peer may last before it gives up (writes NaN, marks the
+    mailbox failed; `check()` raises it). Also a context manager; buffers still open at
+    interpreter exit are freed then.
     """
 
-    def __init__(self, ordinals, layout: MailboxLayout, *, multicast=False):
+    def __init__(self, ordinals, layout: MailboxLayout, *, multicast=False,
+                 timeout_ms=DEFAULT_TIMEOUT_MS):
         ordinals = tuple(ordinals)
+        for i, o in enumerate(ordinals):
+            check_int(f"ordinals[{i}]", o, 0)
+        if len(ordinals) != layout.tp:
+            raise ValueError(f"ordinals={ordinals} name {len(ordinals)} devices; the layout "
+                             f"has tp={layout.tp} ranks")
+        self.spec = MailboxSpec(layout, multicast, timeout_ms,
+                                virtual=len(set(ordinals)) < len(ordinals))
         if multicast:
             refuse_multicast()
-            if len(set(ordinals)) != len(ordinals):
+            if self.spec.virtual:
                 raise ValueError(f"multicast needs one device per rank; got ordinals={ordinals}")
-        from cuda.bindings import driver as cu
-
-        self._cu, self.layout, self.ordinals, self.multicast = cu, layout, ordinals, multicast
-        _check(cu.cuInit(0))
-        self._contexts = {o: _check(cu.cuDevicePrimaryCtxRetain(_check(cu.cuDeviceGet(o))))
-                          for o in set(self.ordinals)}
+        self.ordinals = ordinals
         self._buffers = []  # (address, size, handle)
         self._multicast = []  # (address, size, handle, ordinals) of the bound multicast object
+        self._contexts = {}
+        self._cu = cu = Driver()
         try:
-            for ordinal in self.ordinals:
+            cu("cuInit", 0)
+        except RuntimeError as e:
+            raise RuntimeError(f"Mailbox needs CUDA GPUs: {e}") from None
+        count = cu("cuDeviceGetCount")
+        if any(o >= count for o in ordinals):
+            raise ValueError(f"ordinals={ordinals}: this host has {count} CUDA devices")
+        try:
+            for o in sorted(set(ordinals)):
+                self._contexts[o] = cu("cuDevicePrimaryCtxRetain", cu("cuDeviceGet", o))
+            for ordinal in ordinals:
                 self._buffers.append(self._allocate(ordinal))
             self.addresses = tuple(b[0] for b in self._buffers)
             if multicast:
@@ -170,7 +273,7 @@ class Mailbox:
                                          self._multicast[0][0] if multicast else 0)
             self.arm()
         except BaseException:
-            self.close()
+            self._release()
             raise
         # Frees the memory when the mailbox is collected or, at the latest, at interpreter exit.
         self._finalizer = weakref.finalize(self, Mailbox._free, cu, self._buffers,
@@ -178,27 +281,65 @@ class Mailbox:
 
     @classmethod
     def for_devices(cls, devices, **kwargs):
-        """One buffer on each JAX device of a TP mesh axis (rank r on devices[r])."""
-        ordinals = [d.local_hardware_id for d in devices]
-        return cls(ordinals, MailboxLayout(len(ordinals)), **kwargs)
+        """One buffer on each JAX CUDA device of a TP mesh axis (rank r on devices[r])."""
+        devices = list(devices)
+        if not devices:
+            raise ValueError("devices=[] must name at least one CUDA device")
+        other = sorted({d.platform for d in devices} - {"gpu"})
+        if other:
+            raise ValueError(f"Mailbox.for_devices needs CUDA GPU devices; got devices of "
+                             f"platform {other} ({devices[0]}): a mailbox lives in GPU memory")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"devices={devices} name a device twice: one rank per device "
+                             "(Mailbox.virtual puts every rank on one device)")
+        import jax
+
+        foreign = [d for d in devices if d.process_index != jax.process_index()]
+        if foreign:
+            raise NotImplementedError(
+                f"devices {foreign} belong to other processes: a mailbox spans the devices of "
+                "one process (multi-process mailboxes are not supported yet)")
+        return cls([d.local_hardware_id for d in devices], MailboxLayout(len(devices)), **kwargs)
 
     @classmethod
     def virtual(cls, device, tp, **kwargs):
-        """All `tp` ranks' buffers on one JAX device: "virtual TP"."""
+        """All `tp` ranks' buffers on one JAX CUDA device: "virtual TP"."""
+        if getattr(device, "platform", None) != "gpu":
+            raise ValueError(f"Mailbox.virtual needs a CUDA GPU device; got device={device!r}")
+        check_int("tp", tp, 1)
         return cls([device.local_hardware_id] * tp, MailboxLayout(tp), **kwargs)
 
     @property
-    def tp(self) -> int:
-        return self.layout.tp
+    def layout(self) -> MailboxLayout:
+        return self.spec.layout
 
     @property
-    def spec(self) -> MailboxSpec:
-        """This mailbox's spec, for steps that take the peer table as an operand."""
-        return MailboxSpec(self.layout, self.multicast)
+    def tp(self) -> int:
+        return self.spec.tp
+
+    @property
+    def multicast(self) -> bool:
+        return self.spec.multicast
+
+    @property
+    def timeout_ms(self) -> float:
+        return self.spec.timeout_ms
+
+    @property
+    def virtual_tp(self) -> bool:
+        return self.spec.virtual
+
+    @property
+    def closed(self) -> bool:
+        return not self._buffers
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"timeout {self.timeout_ms:g} ms"
+        return f"Mailbox(tp={self.tp}, ordinals={list(self.ordinals)}, {state})"
 
     def _access(self):
-        """Read-write access descriptors for every device of the mesh."""
-        cu, access = self._cu, []
+        """Read-write access descriptors for every device of the mailbox."""
+        cu, access = self._cu.cu, []
         for peer in sorted(set(self.ordinals)):
             desc = cu.CUmemAccessDesc()
             desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -208,16 +349,25 @@ class Mailbox:
         return access
 
     def _map(self, handle, size):
-        """Reserve a virtual range, map `handle` there, open it to every device; its address."""
+        """Reserve a virtual range, map `handle` there, open it to every device; its address.
+        On a failure, what this call reserved or mapped is undone."""
         cu = self._cu
-        address = _check(cu.cuMemAddressReserve(size, 0, 0, 0))
-        _check(cu.cuMemMap(address, size, 0, handle, 0))
-        access = self._access()
-        _check(cu.cuMemSetAccess(address, size, access, len(access)))
+        address = cu("cuMemAddressReserve", size, 0, 0, 0)
+        try:
+            cu("cuMemMap", address, size, 0, handle, 0)
+            try:
+                access = self._access()
+                cu("cuMemSetAccess", address, size, access, len(access))
+            except BaseException:
+                self._cu.cu.cuMemUnmap(address, size)
+                raise
+        except BaseException:
+            self._cu.cu.cuMemAddressFree(address, size)
+            raise
         return int(address)
 
     def _multicast_prop(self, size):
-        cu = self._cu
+        cu = self._cu.cu
         prop = cu.CUmulticastObjectProp()
         prop.numDevices = len(self.ordinals)
         prop.size = size
@@ -228,91 +378,137 @@ class Mailbox:
         """One multicast object over every rank's buffer, mapped at its own address."""
         cu = self._cu
         size = self._buffers[0][1]
-        handle = _check(cu.cuMulticastCreate(self._multicast_prop(size)))
-        for ordinal in self.ordinals:
-            _check(cu.cuMulticastAddDevice(handle, _check(cu.cuDeviceGet(ordinal))))
-        for (_, _, memory), ordinal in zip(self._buffers, self.ordinals):
-            _check(cu.cuCtxSetCurrent(self._contexts[ordinal]))
-            _check(cu.cuMulticastBindMem(handle, 0, memory, 0, size, 0))
-        return self._map(handle, size), size, handle, self.ordinals
+        handle = cu("cuMulticastCreate", self._multicast_prop(size))
+        try:
+            for ordinal in self.ordinals:
+                cu("cuMulticastAddDevice", handle, cu("cuDeviceGet", ordinal))
+            for (_, _, memory), ordinal in zip(self._buffers, self.ordinals):
+                cu("cuCtxSetCurrent", self._contexts[ordinal])
+                cu("cuMulticastBindMem", handle, 0, memory, 0, size, 0)
+            return self._map(handle, size), size, handle, self.ordinals
+        except BaseException:
+            self._cu.cu.cuMemRelease(handle)
+            raise
 
     def _allocate(self, ordinal):
         cu = self._cu
-        prop = cu.CUmemAllocationProp()
-        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        raw = cu.cu
+        prop = raw.CUmemAllocationProp()
+        prop.type = raw.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = raw.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = ordinal
-        granularity = _check(cu.cuMemGetAllocationGranularity(
-            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        granularity = cu("cuMemGetAllocationGranularity", prop,
+                         raw.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
         if self.multicast:  # buffers bound to a multicast object: its granularity too
-            granularity = max(int(granularity), int(_check(cu.cuMulticastGetGranularity(
-                self._multicast_prop(self.layout.nbytes),
-                cu.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM))))
+            granularity = max(int(granularity), int(cu(
+                "cuMulticastGetGranularity", self._multicast_prop(self.layout.nbytes),
+                raw.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM)))
         size = _align(self.layout.nbytes, int(granularity))
-        handle = _check(cu.cuMemCreate(size, prop, 0))
-        return self._map(handle, size), size, handle
+        handle = cu("cuMemCreate", size, prop, 0)
+        try:
+            return self._map(handle, size), size, handle
+        except BaseException:
+            raw.cuMemRelease(handle)
+            raise
 
     def _synchronize(self):
-        for ordinal, ctx in self._contexts.items():
-            _check(self._cu.cuCtxSetCurrent(ctx))
-            _check(self._cu.cuCtxSynchronize())
+        """Wait until every device of the mailbox is idle (every stream of its context)."""
+        for ctx in self._contexts.values():
+            self._cu("cuCtxSetCurrent", ctx)
+            self._cu("cuCtxSynchronize")
+
+    def _require_open(self, what):
+        if self.closed:
+            raise ValueError(f"{what}: mailbox={self!r} is closed")
 
     def arm(self):
-        """Write SENTINEL over every slot of every rank and clear the status words."""
+        """Wait for every device of the mailbox to go idle, then write SENTINEL over every slot
+        of every rank and zero the control words: the call counters restart together and a
+        failure is cleared; rows a late peer left behind are wiped, never read."""
+        self._require_open("Mailbox.arm")
         self._synchronize()  # no kernel may still use the slots
         for (address, _, _), ordinal in zip(self._buffers, self.ordinals):
-            _check(self._cu.cuCtxSetCurrent(self._contexts[ordinal]))
-            _check(self._cu.cuMemsetD32(address, SENTINEL, self.layout.armed_bytes // 4))
-            _check(self._cu.cuMemsetD32(address + self.layout.status, 0, 1))
+            self._cu("cuCtxSetCurrent", self._contexts[ordinal])
+            self._cu("cuMemsetD32", address, SENTINEL, self.layout.armed_bytes // 4)
+            self._cu("cuMemsetD32", address + self.layout.control, 0, CONTROL.WORDS)
         self._synchronize()
 
     def read(self, rank, offset, nbytes, dtype=np.uint32) -> np.ndarray:
-        """A host copy of `nbytes` of rank `rank`'s buffer from byte `offset` (for checks)."""
+        """A host copy of `nbytes` of rank `rank`'s buffer from byte `offset` (for checks);
+        waits for the devices first."""
+        self._require_open("Mailbox.read")
         out = np.empty(nbytes // np.dtype(dtype).itemsize, dtype)
         self._synchronize()
-        _check(self._cu.cuMemcpyDtoH(out.ctypes.data, self.addresses[rank] + offset, nbytes))
+        self._cu("cuMemcpyDtoH", out.ctypes.data, self.addresses[rank] + offset, nbytes)
         return out
 
     def unarmed(self) -> int:
-        """Words of every rank's armed regions not holding SENTINEL: 0 between steps, when
+        """Words of every rank's armed regions not holding SENTINEL: 0 between calls, when
         every consumer has re-armed what it read (for checks; waits for the GPUs)."""
         return sum(int(np.count_nonzero(self.read(r, 0, self.layout.armed_bytes) != SENTINEL))
                    for r in range(self.tp))
 
+    def control(self) -> np.ndarray:
+        """int32 [TP, CONTROL.WORDS]: every rank's control words (waits for the GPUs)."""
+        return np.stack([self.read(r, self.layout.control, 4 * CONTROL.WORDS, np.int32)
+                         for r in range(self.tp)])
+
+    def calls(self) -> list[int]:
+        """All-reduces each rank has completed since the last `arm`."""
+        return [int(c) for c in self.control()[:, CONTROL.CALLS]]
+
     def timed_out(self) -> list[int]:
-        """The ranks whose consumer's bounded spin gave up since the last `arm`."""
-        return [r for r in range(self.tp) if self.read(r, self.layout.status, 4)[0]]
+        """The ranks whose own wait gave up since the last `arm`."""
+        return [r for r, words in enumerate(self.control()) if words[CONTROL.TIMED_OUT]]
 
     def check(self):
-        """Raise TimeoutError if any consumer timed out waiting for a peer. After one, the
-        slots may hold a late peer's rows: `arm()` again (with every peer idle) before reuse."""
-        ranks = self.timed_out()
-        if ranks:
-            raise TimeoutError(f"mailbox consumers of ranks {ranks} timed out waiting for a peer")
+        """Raise TimeoutError if a wait on this mailbox gave up since the last `arm`: which
+        ranks, in which call, waiting for whom. Until `arm()` every call on it writes NaN."""
+        words = self.control()
+        failures = []
+        for rank, w in enumerate(words):
+            if w[CONTROL.TIMED_OUT]:
+                missing = [q for q in range(self.tp) if int(w[CONTROL.MISSING]) >> q & 1]
+                failures.append(
+                    f"rank {rank} ({WAITERS.get(int(w[CONTROL.WAITER]), 'a kernel')}) gave up "
+                    f"in call {int(w[CONTROL.TIMED_OUT])} since arm() waiting for rows of "
+                    f"rank(s) {missing}")
+        if failures or words[:, CONTROL.FAILED].any():
+            failed = [r for r in range(self.tp) if words[r, CONTROL.FAILED]]
+            raise TimeoutError(
+                f"mailbox tp={self.tp} on devices {list(self.ordinals)}: "
+                + ("; ".join(failures) or "marked failed") + f" (after {self.timeout_ms:g} ms). "
+                f"Ranks {failed} are marked failed: every call on this mailbox writes NaN until "
+                "Mailbox.arm() re-arms it (it waits for every device to go idle first)")
 
     @staticmethod
     def _free(cu, buffers, multicast):
+        raw = cu.cu
         for address, size, handle, ordinals in multicast:
-            cu.cuMemUnmap(address, size)
-            cu.cuMemAddressFree(address, size)
+            raw.cuMemUnmap(address, size)
+            raw.cuMemAddressFree(address, size)
             for ordinal in ordinals:
-                cu.cuMulticastUnbind(handle, cu.cuDeviceGet(ordinal)[1], 0, size)
-            cu.cuMemRelease(handle)
+                raw.cuMulticastUnbind(handle, raw.cuDeviceGet(ordinal)[1], 0, size)
+            raw.cuMemRelease(handle)
         multicast.clear()
         for address, size, handle in buffers:
-            cu.cuMemUnmap(address, size)
-            cu.cuMemAddressFree(address, size)
-            cu.cuMemRelease(handle)
+            raw.cuMemUnmap(address, size)
+            raw.cuMemAddressFree(address, size)
+            raw.cuMemRelease(handle)
         buffers.clear()
 
-    def close(self):
-        """Free every buffer, once the GPU has finished with them; closing twice is harmless."""
-        if self._buffers:
-            self._synchronize()
+    def _release(self):
         Mailbox._free(self._cu, self._buffers, self._multicast)
         for ordinal in self._contexts:
-            self._cu.cuDevicePrimaryCtxRelease(self._cu.cuDeviceGet(ordinal)[1])
+            self._cu.cu.cuDevicePrimaryCtxRelease(self._cu.cu.cuDeviceGet(ordinal)[1])
         self._contexts = {}
+
+    def close(self):
+        """Wait for every device of the mailbox to go idle, then free every buffer; closing
+        twice is harmless. A closed mailbox is refused by every call."""
+        if self._buffers:
+            self._synchronize()
+        self._release()
 
     def __enter__(self):
         return self

@@ -1,14 +1,22 @@
-"""Trace-time checks of the public API's arguments; all problems of a call raise one ValueError."""
+"""Trace-time checks of the public API's arguments: every problem of a call is collected and
+raised as one ValueError that names each bad argument, its value and the limit."""
 
 from __future__ import annotations
+
+import math
+import numbers
+import os
 
 import jax
 import jax.numpy as jnp
 
-from jax_kimik3.backend import BACKENDS
+from jax_kimik3 import backend as backends
 from jax_kimik3.config import KIMI_K3
+from jax_kimik3.mailbox import Mailbox, MailboxSpec
+from jax_kimik3.statistics import AttnResStatistics
 
 CAPACITY = KIMI_K3.mailbox_capacity
+CONCURRENT_COMMANDS = "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
 
 
 class Checker:
@@ -20,27 +28,79 @@ class Checker:
     def fail(self, message: str):
         self.problems.append(message)
 
+    def done(self):
+        if self.problems:
+            raise ValueError(f"{self.where}: " + "; ".join(self.problems))
+
     def array(self, name, a, shape, dtype) -> bool:
-        """`a` must have `shape` (None entries are free) and `dtype`."""
-        ok = a.ndim == len(shape) and all(s is None or s == d for s, d in zip(shape, a.shape))
+        """`a` must be an array with `shape` (None entries are free) and `dtype`."""
+        want = tuple("?" if s is None else s for s in shape)
+        expected = f"expected shape={want} dtype={jnp.dtype(dtype)}".replace("'?'", "?")
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            self.fail(f"{name}={_short(a)} is not an array; {expected}")
+            return False
+        ok = len(a.shape) == len(shape) and all(s is None or s == d
+                                                for s, d in zip(shape, a.shape))
         if not ok or a.dtype != dtype:
-            want = tuple("?" if s is None else s for s in shape)
-            self.fail(f"{name} has shape={tuple(a.shape)} dtype={a.dtype}; "
-                      f"expected shape={want} dtype={jnp.dtype(dtype)}".replace("'?'", "?"))
+            self.fail(f"{name} has shape={tuple(a.shape)} dtype={a.dtype}; {expected}")
             return False
         return True
+
+    def integer(self, name, value, low=None, high=None) -> bool:
+        """A Python int (not a bool) in [low, high]."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            self.fail(f"{name}={value!r} must be an integer")
+            return False
+        if (low is not None and value < low) or (high is not None and value > high):
+            self.fail(f"{name}={value} must be in [{low}, {high}]" if high is not None
+                      else f"{name}={value} must be >= {low}")
+            return False
+        return True
+
+    def flag(self, name, value, optional=False) -> bool:
+        if not (isinstance(value, bool) or (optional and value is None)):
+            self.fail(f"{name}={value!r} must be True or False" + (" or None" if optional else ""))
+            return False
+        return True
+
+    def epsilon(self, name, value):
+        """A finite number > 0."""
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                or not math.isfinite(value) or not value > 0):
+            self.fail(f"{name}={value!r} must be a finite number > 0")
 
     def batch(self, name, b, capacity=CAPACITY):
         if not 1 <= b <= capacity:
             self.fail(f"{name} has batch B={b}; must be in [1, {capacity}] (mailbox capacity)")
 
-    def positive(self, name, value):
-        if not value > 0:
-            self.fail(f"{name}={value} must be > 0")
+    def hashable(self, **statics) -> bool:
+        """Static arguments must be hashable (jax.jit keys its compile cache by them)."""
+        ok = True
+        for name, value in statics.items():
+            try:
+                hash(value)
+            except TypeError:
+                self.fail(f"{name}={_short(value)} is a static argument and must be hashable "
+                          f"(got an unhashable {type(value).__name__})")
+                ok = False
+        return ok
 
-    def done(self):
-        if self.problems:
-            raise ValueError(f"{self.where}: " + "; ".join(self.problems))
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_rows(check, name, a):
+    """`a` bf16 [B, H] with 1 <= B <= CAPACITY; returns (B, H) or None."""
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        check.fail(f"{name}={_short(a)} is not an array; expected [B, H] bfloat16")
+        return None
+    if a.ndim != 2 or a.dtype != jnp.bfloat16:
+        check.fail(f"{name} has shape={tuple(a.shape)} dtype={a.dtype}; expected [B, H] bfloat16")
+        return None
+    check.batch(name, a.shape[0])
+    return a.shape
 
 
 def check_blocks(check, blocks, *, num_blocks, write_idx=-1, rows=None):
@@ -53,70 +113,144 @@ def check_blocks(check, blocks, *, num_blocks, write_idx=-1, rows=None):
         return None
     b, nb, h = blocks.shape
     check.batch("blocks", b)
-    if not 0 <= num_blocks <= nb:
-        check.fail(f"num_blocks={num_blocks} must be in [0, NB={nb}] (blocks.shape[1])")
-    elif write_idx != -1 and not num_blocks <= write_idx < nb:
-        check.fail(f"write_idx={write_idx} must be -1 or in [num_blocks={num_blocks}, NB={nb})")
+    if not check.integer("write_idx", write_idx):
+        return b, h
+    if check.integer("num_blocks", num_blocks):
+        if not 0 <= num_blocks <= nb:
+            check.fail(f"num_blocks={num_blocks} must be in [0, NB={nb}] (blocks.shape[1])")
+        elif write_idx != -1 and not num_blocks <= write_idx < nb:
+            check.fail(f"write_idx={write_idx} must be -1 or in [num_blocks={num_blocks}, "
+                       f"NB={nb})")
     return b, h
 
 
-def check_rows(check, name, a):
-    """`a` bf16 [B, H] with 1 <= B <= CAPACITY; returns (B, H) or None."""
-    if a.ndim != 2 or a.dtype != jnp.bfloat16:
-        check.fail(f"{name} has shape={tuple(a.shape)} dtype={a.dtype}; expected [B, H] bfloat16")
-        return None
-    check.batch(name, a.shape[0])
-    return a.shape
-
-
 def check_weights(check, h, eps, **weights):
-    """Each given weight bf16 [H]; eps > 0."""
+    """Each named weight bf16 [H] (a required one may not be None); eps a finite number > 0.
+    Name a weight `out_norm_w` to allow None (the call returns the mix)."""
     for name, w in weights.items():
-        if w is not None:
+        if w is None and name.startswith("out_norm_w"):
+            continue
+        if w is None:
+            check.fail(f"{name}=None: a bf16 [{h}] weight is required")
+        else:
             check.array(name, w, (h,), jnp.bfloat16)
-    check.positive("eps", eps)
+    check.epsilon("eps", eps)
+
+
+def check_statistics(check, stats, rows, num_blocks):
+    """`stats` from `attn_res_statistics` for the same rows and `num_blocks`."""
+    if not isinstance(stats, AttnResStatistics):
+        check.fail(f"stats={_short(stats)} must be the AttnResStatistics that "
+                   "attn_res_statistics (or oproj_attn_res(ahead=)) returns: it records "
+                   "the num_blocks it covers")
+        return
+    b, h = rows
+    check.array("stats.mixture", stats.mixture, (b, h), jnp.float32)
+    check.array("stats.scal", stats.scal, (b, 2), jnp.float32)
+    if stats.num_blocks != num_blocks:
+        check.fail(f"stats cover num_blocks={stats.num_blocks} saved blocks; this call mixes "
+                   f"num_blocks={num_blocks}")
 
 
 def check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks,
                    eps, out_eps, delta=None, write_idx=-1, stats=None):
     """Every `attn_res` argument; returns (B, H) or None."""
+    check.epsilon("out_eps", out_eps)
     rows = check_rows(check, "prefix", prefix)
     if rows is None:
+        check.epsilon("eps", eps)
         return None
     b, h = rows
     check_blocks(check, blocks, num_blocks=num_blocks, write_idx=write_idx, rows=rows)
     check_weights(check, h, eps, res_norm_w=res_norm_w, res_proj_w=res_proj_w,
                   out_norm_w=out_norm_w)
-    check.positive("out_eps", out_eps)
     if delta is not None:
         check.array("delta", delta, (b, h), jnp.bfloat16)
     if stats is not None:
-        if not (isinstance(stats, (tuple, list)) and len(stats) == 2):
-            check.fail(f"stats must be a (mixture, scal) pair, got {type(stats).__name__}")
-        else:
-            check.array("stats[0] (mixture)", stats[0], (b, h), jnp.float32)
-            check.array("stats[1] (scal)", stats[1], (b, 2), jnp.float32)
+        check_statistics(check, stats, rows, num_blocks)
     return rows
 
 
-def check_backend(check, backend):
-    if backend not in BACKENDS:
-        check.fail(f"backend={backend!r} must be one of {BACKENDS}")
+def check_backend(check, backend, hidden=None):
+    """A known backend; "kernel" needs a CUDA GPU, or a kernel target to lower for."""
+    if backend not in backends.BACKENDS:
+        check.fail(f"backend={backend!r} must be one of {backends.BACKENDS}")
+    elif backend == "kernel":
+        problem = backends.kernel_problem(hidden)
+        if problem:
+            check.fail(f"backend='kernel': {problem}")
 
 
-def check_mailbox_rows(check, rows, name, mailbox, parity, axis_name=None, peer_table=None):
-    """Rows that fit the mailbox, a parity, (in shard_map) one rank per mailbox buffer, and a
-    peer table: `peer_table` if given (uint32 [T + 1, 2]), else the mailbox's own."""
-    layout = mailbox.layout
-    if check.array(name, rows, (None, layout.hidden), jnp.bfloat16):
-        check.batch(name, rows.shape[0], layout.capacity)
-    if parity not in (0, 1):
-        check.fail(f"parity={parity} must be 0 or 1 (layer index % 2)")
-    if axis_name is not None and jax.lax.axis_size(axis_name) != mailbox.tp:
-        check.fail(f"axis {axis_name!r} has {jax.lax.axis_size(axis_name)} ranks; the mailbox "
-                   f"has tp={mailbox.tp}")
+def check_axis(check, axis_name):
+    """`axis_name` bound by the enclosing shard_map: its size, or None."""
+    if not check.hashable(axis_name=axis_name):
+        return None
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError:
+        check.fail(f"axis_name={axis_name!r} is not bound: call inside shard_map (or jax.jit "
+                   "of it) over a mesh with that axis")
+    return None
+
+
+def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
+                  virtual=False):
+    """A live Mailbox or a MailboxSpec (with `peer_table`, uint32 [T + 1, 2]) that fits the
+    call: under shard_map one rank per device of `axis_name` and no other mesh axis; in
+    virtual TP (`virtual`) every rank's buffer on the one device. Returns its spec or None."""
+    if not isinstance(mailbox, (Mailbox, MailboxSpec)):
+        check.fail(f"mailbox={_short(mailbox)} must be a Mailbox, a MailboxSpec or None")
+        return None
+    spec = mailbox.spec
+    if isinstance(mailbox, Mailbox) and mailbox.closed:
+        check.fail(f"mailbox={mailbox!r} is closed")
     if peer_table is not None:
-        check.array("peer_table", peer_table, (mailbox.tp + 1, 2), jnp.uint32)
-    elif getattr(mailbox, "peer_table", None) is None:
+        check.array("peer_table", peer_table, (spec.tp + 1, 2), jnp.uint32)
+    elif not isinstance(mailbox, Mailbox):
         check.fail(f"mailbox={mailbox!r} has no memory: pass its peer_table= (uint32 "
-                   f"[{mailbox.tp + 1}, 2], Mailbox.peer_table of the live mailbox)")
+                   f"[{spec.tp + 1}, 2], Mailbox.peer_table of the live mailbox)")
+    if CONCURRENT_COMMANDS in os.environ.get("XLA_FLAGS", ""):
+        check.fail(f"XLA_FLAGS has {CONCURRENT_COMMANDS}: XLA could then run two mailbox "
+                   "calls at once, and a mailbox's calls must follow one another")
+    if jax.process_count() > 1:
+        check.fail(f"this program runs on {jax.process_count()} processes: a mailbox spans "
+                   "the devices of one process (multi-process mailboxes are not supported yet)")
+    if virtual:
+        if not spec.virtual and spec.tp > 1:
+            check.fail(f"mailbox={mailbox!r} has its {spec.tp} ranks on different devices; "
+                       "virtual TP runs every rank on one device: Mailbox.virtual(device, tp)")
+        return spec
+    if axis_size is None:
+        return spec
+    if spec.virtual:
+        check.fail(f"mailbox={mailbox!r} is virtual (every rank's buffer on one device) and "
+                   f"cannot serve mesh axis {axis_name!r}: use Mailbox.for_devices(the axis's "
+                   "devices), or the *_virtual calls")
+    if axis_size != spec.tp:
+        check.fail(f"axis {axis_name!r} has {axis_size} ranks; the mailbox has tp={spec.tp}")
+    mesh = jax.sharding.get_abstract_mesh()
+    others = {n: s for n, s in zip(mesh.axis_names, mesh.axis_sizes) if n != axis_name and s > 1}
+    if others:
+        check.fail(f"the mesh has other axes {others} beside {axis_name!r}: each of their "
+                   f"groups of {axis_size} ranks would share the one mailbox's buffers (a "
+                   "mailbox serves one TP group)")
+    if isinstance(mailbox, Mailbox):
+        _check_device_order(check, mailbox, axis_name)
+    return spec
+
+
+def _check_device_order(check, mailbox, axis_name):
+    """Where the concrete mesh is known (jax.set_mesh / use_mesh), rank r of `axis_name` must
+    run on the device of the mailbox's buffer r."""
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    mesh = get_mesh() if get_mesh else None
+    if mesh is None or not getattr(mesh, "axis_names", ()) or axis_name not in mesh.axis_names:
+        return
+    devices = mesh.devices.reshape(-1) if mesh.devices.size == mesh.shape[axis_name] else None
+    if devices is None:
+        return
+    found = [d.local_hardware_id if d.platform == "gpu" else None for d in devices]
+    if found != list(mailbox.ordinals):
+        check.fail(f"axis {axis_name!r} runs on devices {found} (CUDA ordinals, in rank "
+                   f"order); the mailbox has its buffers on {list(mailbox.ordinals)}: make it "
+                   "with Mailbox.for_devices(mesh.devices.flat)")

@@ -14,11 +14,11 @@ SPOT_PREV_VALID = {0: 0, 1: 1, 11: 1, 12: 1, 13: 2, 24: 2, 25: 3, 84: 7, 85: 8, 
 
 
 def _hand_table():
-    """(write, write_idx, prev_valid, parity, mla) per layer: blocks completed before the layer."""
+    """(write, write_idx, prev_valid, mla) per layer: blocks completed before the layer."""
     rows = []
     for i in range(93):
         prev_valid = sum(1 for w in WRITE_LAYERS if w < i)
-        rows.append((i in WRITE_LAYERS, WRITE_LAYERS.get(i, -1), prev_valid, i % 2, i in MLA_LAYERS))
+        rows.append((i in WRITE_LAYERS, WRITE_LAYERS.get(i, -1), prev_valid, i in MLA_LAYERS))
     return rows
 
 
@@ -32,10 +32,10 @@ def test_model_facts():
 
 @pytest.mark.parametrize("i", range(93))
 def test_layer_plan(i):
-    write, write_idx, prev_valid, parity, mla = _hand_table()[i]
+    write, write_idx, prev_valid, mla = _hand_table()[i]
     plan = k3.KIMI_K3.layer(i)
-    assert (plan.is_block_write_layer, plan.block_write_idx, plan.prev_valid_blocks, plan.parity,
-            plan.is_mla) == (write, write_idx, prev_valid, parity, mla)
+    assert (plan.is_block_write_layer, plan.block_write_idx, plan.prev_valid_blocks,
+            plan.is_mla) == (write, write_idx, prev_valid, mla)
     if i in SPOT_PREV_VALID:
         assert plan.prev_valid_blocks == SPOT_PREV_VALID[i]
     pre, post = plan.pre_attention, plan.post_attention
@@ -77,12 +77,30 @@ def test_post_attention_mixes_the_blocks_of_the_next_site():
 
 @pytest.mark.parametrize("index", [-1, 93])
 def test_layer_out_of_range(index):
-    with pytest.raises(ValueError, match=rf"layer index={index} must be in \[0, 93\)"):
+    with pytest.raises(ValueError, match=rf"layer index={index} must be in \[0, 92\]"):
         k3.KIMI_K3.layer(index)
 
 
-def test_bad_config_and_tp():
-    with pytest.raises(ValueError, match="attn_res_block_size=0 must be >= 1"):
-        k3.KimiK3Config(attn_res_block_size=0)
-    with pytest.raises(ValueError, match="tp=5 must divide o_proj_in_features=12288"):
-        k3.KIMI_K3.o_proj_local_features(5)
+@pytest.mark.parametrize("call,pattern", [
+    (lambda: k3.KIMI_K3.layer(2.5), r"layer index=2.5 must be an integer"),
+    (lambda: k3.KIMI_K3.layer(True), r"layer index=True must be an integer"),
+    (lambda: k3.KIMI_K3.layer("3"), r"layer index='3' must be an integer"),
+    (lambda: k3.KIMI_K3.final(2.5), r"num_layers=2.5 must be an integer"),
+    (lambda: k3.KIMI_K3.final(0), r"num_layers=0 must be in \[1, 93\]"),
+    (lambda: k3.KIMI_K3.final(94), r"num_layers=94 must be in \[1, 93\]"),
+    (lambda: k3.KIMI_K3.o_proj_local_features(5), r"tp=5 must divide o_proj_in_features=12288"),
+    (lambda: k3.KIMI_K3.o_proj_local_features(0), r"tp=0 must be >= 1"),
+    (lambda: k3.KIMI_K3.o_proj_local_features(2.0), r"tp=2.0 must be an integer"),
+    (lambda: k3.KimiK3Config(attn_res_block_size=0), r"attn_res_block_size=0 must be >= 1"),
+    (lambda: k3.KimiK3Config(num_layers=2.5), r"num_layers=2.5 must be an integer"),
+    (lambda: k3.KimiK3Config(hidden_size=True), r"hidden_size=True must be an integer"),
+    (lambda: k3.KimiK3Config(rms_norm_eps=0.0), r"rms_norm_eps=0.0 must be a finite number > 0"),
+    (lambda: k3.KimiK3Config(rms_norm_eps=float("nan")), r"rms_norm_eps=nan must be a finite"),
+    (lambda: k3.KimiK3Config(rms_norm_eps=float("inf")), r"rms_norm_eps=inf must be a finite"),
+    (lambda: k3.KimiK3Config(mailbox_capacity=-1), r"mailbox_capacity=-1 must be >= 1"),
+], ids=["layer float", "layer bool", "layer str", "final float", "final 0", "final 94",
+        "tp 5", "tp 0", "tp float", "block size 0", "layers float", "hidden bool", "eps 0",
+        "eps nan", "eps inf", "capacity -1"])
+def test_bad_config_plan_and_tp(call, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call()

@@ -1,4 +1,4 @@
-"""CPU: AttentionTail applies each layer's plan (blocks, delta, block write, parity) to the
+"""CPU: AttentionTail applies each layer's plan (blocks, delta, block write) to the
 public calls, against the float64 model."""
 
 import functools
@@ -92,8 +92,10 @@ def test_post_attention_statistics_ahead(rng, index, num_layers):
         functools.partial(k3.AttentionTail(plan).post_attention, weights(inp),
                           ahead=weights(following)),
         mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp"), P(), P()), out_specs=P()))
-    out, prefix, blocks, (mixture, scal) = step(x, w, inp.prefix, inp.blocks)
+    out, prefix, blocks, stats = step(x, w, inp.prefix, inp.blocks)
     k = plan.post_attention.num_blocks
+    assert isinstance(stats, k3.AttnResStatistics) and stats.num_blocks == k
+    mixture, scal = stats
     acc, m, s = oracle.statistics(inp.blocks, following.res_norm_w, following.res_proj_w,
                                   num_blocks=k)
     np.testing.assert_allclose(np.asarray(scal), np.stack([m, s], -1), rtol=oracle.F32_RTOL)
@@ -103,11 +105,11 @@ def test_post_attention_statistics_ahead(rng, index, num_layers):
     if index + 1 < num_layers:
         site = k3.KIMI_K3.layer(index + 1).pre_attention
         got = k3.AttentionTail(k3.KIMI_K3.layer(index + 1)).pre_attention(
-            weights(following), prefix, blocks, following.delta, (mixture, scal))[0]
+            weights(following), prefix, blocks, following.delta, stats)[0]
     else:
         site = k3.KIMI_K3.final(num_layers)
         got = k3.final_attn_res(weights(following), prefix, blocks, following.delta,
-                                stats=(mixture, scal), num_layers=num_layers)
+                                stats=stats, num_layers=num_layers)
     want = oracle.attn_res(prefix, blocks, *weights(following), num_blocks=site.num_blocks,
                            delta=following.delta, write_idx=site.write_idx)[0]
     oracle.assert_bf16_close(got, want, "next site's out")

@@ -1,6 +1,5 @@
 """CPU: mailbox layout arithmetic, the multicast refusal, and the Lamport kernels' lowering."""
 
-import dataclasses
 import functools
 
 import jax
@@ -12,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
 from tests.lowering import kept_ptx
-from jax_kimik3.mailbox import (MULTICAST_OFF, PARITIES, SENTINEL, Mailbox, MailboxLayout,
-                                peer_table, refuse_multicast)
+from jax_kimik3.mailbox import (BUFFERS, CONTROL, MULTICAST_OFF, SENTINEL, Mailbox,
+                                MailboxLayout, MailboxSpec, peer_table, refuse_multicast)
 
 H, C = 7168, 64
 ROW = H * 2
@@ -22,17 +21,19 @@ ROW = H * 2
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
 def test_layout_regions(tp):
     lay = MailboxLayout(tp)
-    one_shot = PARITIES * tp * C * ROW
+    one_shot = BUFFERS * tp * C * ROW
     assert lay.slot(0, 0) == 0
-    assert lay.slot(1, 0) == tp * C * ROW  # parity 1 follows parity 0's T slots
+    assert lay.slot(1, 0) == tp * C * ROW  # buffer 1 follows buffer 0's T slots
     assert lay.slot(0, 1) == C * ROW and lay.slot(1, tp - 1, C - 1) == one_shot - ROW
     assert lay.receive(0, 0) == one_shot
     assert lay.chunk == H // tp and lay.receive(0, 1) - lay.receive(0, 0) == C * (H // tp) * 2
     assert lay.receive(1, 0) == one_shot + tp * C * (H // tp) * 2
-    assert lay.gather(0) == one_shot + PARITIES * C * ROW
+    assert lay.gather(0) == one_shot + BUFFERS * C * ROW
     assert lay.gather(1, 3) == lay.gather(0) + C * ROW + 3 * ROW
-    assert lay.armed_bytes == one_shot + 2 * PARITIES * C * ROW
-    assert lay.status >= lay.armed_bytes and lay.status % 256 == 0 and lay.nbytes > lay.status
+    assert lay.armed_bytes == one_shot + 2 * BUFFERS * C * ROW
+    assert lay.control >= lay.armed_bytes and lay.control % 256 == 0
+    assert lay.word(CONTROL.ARRIVALS) == lay.control + 4 * CONTROL.ARRIVALS
+    assert lay.nbytes >= lay.control + 4 * CONTROL.WORDS
 
 
 def test_layout_size_at_tp8():
@@ -40,14 +41,21 @@ def test_layout_size_at_tp8():
     assert MailboxLayout(8).armed_bytes == 2 * 8 * 64 * 7168 * 2 + 2 * 2 * 64 * 7168 * 2
 
 
-@pytest.mark.parametrize("tp", [0, 3, 5])
+@pytest.mark.parametrize("tp", [3, 5])
 def test_layout_rejects_bad_tp(tp):
     with pytest.raises(ValueError, match=f"tp={tp} must be >= 1 and divide hidden=7168"):
         MailboxLayout(tp)
 
 
-def test_parity_alternates_by_layer():
-    assert [k3.KIMI_K3.layer(i).parity for i in range(4)] == [0, 1, 0, 1]
+def test_control_words_are_distinct():
+    words = [v for k, v in vars(CONTROL).items() if k.isupper() and k != "WORDS"]
+    assert len(set(words)) == len(words) and max(words) < CONTROL.WORDS
+
+
+def test_layout_offsets_fit_int32_at_tp16():
+    """The kernels compute offsets in int32 before widening (buffer and rank are traced)."""
+    lay = MailboxLayout(16)
+    assert lay.gather(1, C - 1) + ROW < 2**31 and lay.slot(1, 15, C - 1) < 2**31
 
 
 def test_peer_table_words():
@@ -74,98 +82,94 @@ def test_sentinel_is_negative_zero():
     assert np.signbit(np.array([SENTINEL], np.uint32).view(np.float32)[0])
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class FakeMailbox:
-    """Layout and peer table without GPU memory: enough to trace and lower."""
+def spec(tp, **kw):
+    return MailboxSpec(MailboxLayout(tp), **kw)
 
-    layout: MailboxLayout
-    multicast: bool = False
 
-    @property
-    def tp(self):
-        return self.layout.tp
-
-    @property
-    def peer_table(self):
-        return peer_table([0x1000_0000 * (r + 1) for r in range(self.tp)])
+def table(tp):
+    """A peer table of made-up addresses: enough to trace and lower."""
+    return peer_table([0x1000_0000 * (r + 1) for r in range(tp)])
 
 
 def _lower(f, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _mesh(tp):
+    return Mesh(np.array(jax.devices()[:tp]), ("tp",))
+
+
 pytest.importorskip("cutlass")
+CALL = "custom_call @CuteDSLRT_NvJaxCutlassCall"
 
 
 @pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
 @pytest.mark.parametrize("tp", [2, 4, 8, 16])
-def test_virtual_all_reduce_lowers(tp, two_shot):
-    mailbox = FakeMailbox(MailboxLayout(tp))
-    text = _lower(functools.partial(k3.all_reduce_virtual, mailbox=mailbox, parity=tp % 2,
-                                    two_shot=two_shot),
+def test_virtual_all_reduce_is_one_call(tp, two_shot):
+    """Every rank's publish, [owner,] consumer: ONE custom call, so no other mailbox call can
+    run between its kernels."""
+    text = _lower(functools.partial(k3.all_reduce_virtual, mailbox=spec(tp, virtual=True),
+                                    peer_table=table(tp), two_shot=two_shot),
                   jax.ShapeDtypeStruct((tp, 8, H), jnp.bfloat16))
-    assert "CuteDSLRT_NvJaxCutlassCall" in text
+    assert text.count(CALL) == 1
 
 
 @pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
 def test_all_reduce_lowers_under_shard_map(two_shot):
     tp = 4
-    mailbox = FakeMailbox(MailboxLayout(tp))
-    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
-    f = jax.shard_map(functools.partial(k3.all_reduce, mailbox=mailbox, axis_name="tp", parity=0,
-                                        two_shot=two_shot),
-                      mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+    f = jax.shard_map(functools.partial(k3.all_reduce, mailbox=spec(tp), peer_table=table(tp),
+                                        axis_name="tp", two_shot=two_shot),
+                      mesh=_mesh(tp), in_specs=P("tp"), out_specs=P("tp"))
     text = _lower(f, jax.ShapeDtypeStruct((tp * 8, H), jnp.bfloat16))
-    assert text.count("CuteDSLRT_NvJaxCutlassCall") >= 2 + two_shot
+    assert text.count(CALL) == 1 and "all-reduce" not in text
 
 
 def test_all_reduce_rejects_bad_input():
-    mailbox = FakeMailbox(MailboxLayout(2))
+    mailbox = spec(2, virtual=True)
+    virtual = functools.partial(k3.all_reduce_virtual, mailbox=mailbox, peer_table=table(2))
     with pytest.raises(ValueError, match=r"partials\[r\] has batch B=65; must be in \[1, 64\]"):
-        _lower(functools.partial(k3.all_reduce_virtual, mailbox=mailbox, parity=0),
-               jax.ShapeDtypeStruct((2, 65, H), jnp.bfloat16))
-    with pytest.raises(ValueError, match=r"parity=2 must be 0 or 1"):
-        _lower(functools.partial(k3.all_reduce_virtual, mailbox=mailbox, parity=2),
-               jax.ShapeDtypeStruct((2, 8, H), jnp.bfloat16))
-    with pytest.raises(ValueError, match=r"partials has shape=\(3, 8, 7168\); expected \[tp=2, B, H\]"):
-        _lower(functools.partial(k3.all_reduce_virtual, mailbox=mailbox, parity=0),
-               jax.ShapeDtypeStruct((3, 8, H), jnp.bfloat16))
-    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
-    f = jax.shard_map(functools.partial(k3.all_reduce, mailbox=mailbox, axis_name="tp", parity=0),
-                      mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+        _lower(virtual, jax.ShapeDtypeStruct((2, 65, H), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"partials has TP=3 shards; the mailbox has tp=2"):
+        _lower(virtual, jax.ShapeDtypeStruct((3, 8, H), jnp.bfloat16))
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'parity'"):
+        k3.all_reduce_virtual(jnp.zeros((2, 8, H), jnp.bfloat16), mailbox, parity=0)
+    f = jax.shard_map(functools.partial(k3.all_reduce, mailbox=spec(2), peer_table=table(2),
+                                        axis_name="tp"),
+                      mesh=_mesh(4), in_specs=P("tp"), out_specs=P("tp"))
     with pytest.raises(ValueError, match=r"axis 'tp' has 4 ranks; the mailbox has tp=2"):
         _lower(f, jax.ShapeDtypeStruct((32, H), jnp.bfloat16))
 
 
+def _tail_args(b, k):
+    s = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+    return s((b, k)), s((H, k)), s((b, H)), s((b, 8, H)), s((H,)), s((H,)), s((H,))
+
+
 @pytest.mark.parametrize("has_delta", [True, False], ids=["delta", "new_block"])
-def test_oproj_attn_res_kernels_lower_under_shard_map(has_delta):
-    """With a mailbox the tail is kernels: as tuning.TAIL_VARIANTS says, the fused kernel (one
-    call) or a publish, then the AttnRes ring consumer (two)."""
+@pytest.mark.parametrize("b", [4, 8, 64])
+def test_oproj_attn_res_kernels_lower_under_shard_map(has_delta, b):
+    """With a mailbox the tail is kernels, in ONE custom call whatever the table's variant
+    (fused, split, or XLA's dot + the call), and no XLA collective: the mailbox carries the sum."""
     from jax_kimik3 import tuning
-    tp, b, nb = 4, 8, 8
-    mailbox = FakeMailbox(MailboxLayout(tp))
-    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    tp = 4
     f = jax.shard_map(
         functools.partial(k3.oproj_attn_res, axis_name="tp", num_blocks=3, has_delta=has_delta,
-                          mailbox=mailbox, parity=1, backend="kernel"),
-        mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")) + (P(),) * 5, out_specs=P())
-    s = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
-    text = _lower(f, s((b, 12288)), s((H, 12288)), s((b, H)), s((b, nb, H)), s((H,)), s((H,)),
-                  s((H,)))
-    calls = 1 if tuning.tail_variant(b, 12288 // tp) == "fused" else 2
-    assert text.count("CuteDSLRT_NvJaxCutlassCall") >= calls
-    assert "all-reduce" not in text  # no XLA collective: the mailbox carries the sum
+                          mailbox=spec(tp), peer_table=table(tp), backend="kernel"),
+        mesh=_mesh(tp), in_specs=(P(None, "tp"), P(None, "tp")) + (P(),) * 5, out_specs=P())
+    b_, k, *rest = _tail_args(b, 12288)
+    text = _lower(f, b_, k, *rest)
+    assert text.count(CALL) == 1
+    assert "all-reduce" not in text
+    assert ("dot_general" in text) == (tuning.tail_variant(b, 12288 // tp) == "xla")
 
 
 def test_oproj_attn_res_kernel_backend_needs_a_mailbox():
-    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     f = jax.shard_map(functools.partial(k3.oproj_attn_res, axis_name="tp", num_blocks=1,
                                         has_delta=True, backend="kernel"),
-                      mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")) + (P(),) * 5,
+                      mesh=_mesh(2), in_specs=(P(None, "tp"), P(None, "tp")) + (P(),) * 5,
                       out_specs=P())
-    s = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match=r"backend='kernel' needs mailbox="):
-        _lower(f, s((4, 64)), s((H, 64)), s((4, H)), s((4, 8, H)), s((H,)), s((H,)), s((H,)))
+        _lower(f, *_tail_args(4, 12288))
 
 
 @pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
@@ -175,31 +179,66 @@ def test_multicast_publish_compiles_to_multimem(tmp_path, two_shot):
 import functools, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 import jax_kimik3 as k3
-from tests.test_mailbox import FakeMailbox
-from jax_kimik3.mailbox import MailboxLayout
-box = FakeMailbox(MailboxLayout(4), multicast=True)
+from tests.test_mailbox import spec, table
 mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
-f = jax.shard_map(functools.partial(k3.all_reduce, mailbox=box, axis_name="tp", parity=0,
-                                    two_shot={two_shot}), mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+f = jax.shard_map(functools.partial(k3.all_reduce, mailbox=spec(4, multicast=True),
+                                    peer_table=table(4), axis_name="tp", two_shot={two_shot}),
+                  mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
 jax.jit(f).trace(jax.ShapeDtypeStruct((32, 7168), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
 """
     ptx = kept_ptx(script, tmp_path, devices=4)
     assert "multimem.st.relaxed.sys.global.v4.f32" in ptx
 
 
-@pytest.mark.parametrize("b,tp,kernels", [(4, 2, 1), (8, 2, 2), (8, 8, 2), (64, 8, 3)])
-def test_virtual_tail_lowers_to_the_table_variant(b, tp, kernels):
-    """oproj_attn_res_virtual with a mailbox: every rank's tail as kernels (the lowering keeps
-    one copy of each distinct kernel): the fused one where the table says fused (TP 2,
-    B <= 4); else the producer and the consumer; at B = 64, TP 8 XLA's dot, the publish, the
-    two-shot owner and the consumer."""
+@pytest.mark.parametrize("b,tp", [(4, 2), (8, 2), (8, 8), (64, 8)])
+def test_virtual_tail_lowers_to_the_table_variant(b, tp):
+    """oproj_attn_res_virtual with a mailbox: every rank's tail in ONE custom call, the
+    table's variant (fused at B <= 4; split to B = 16; XLA's dot beyond: its dot_general)."""
     from jax_kimik3 import tuning
     variant = tuning.tail_variant(b, 12288 // tp)
-    assert variant == ("fused" if kernels == 1 else "xla" if b > 16 else "split")
     f = functools.partial(k3.oproj_attn_res_virtual, num_blocks=3, has_delta=True,
-                          mailbox=FakeMailbox(MailboxLayout(tp)), parity=1, backend="kernel")
+                          mailbox=spec(tp, virtual=True), peer_table=table(tp), backend="kernel")
     s = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
     text = _lower(f, s((tp, b, 12288 // tp)), s((tp, H, 12288 // tp)), s((b, H)),
                   s((b, 8, H)), s((H,)), s((H,)), s((H,)))
-    assert text.count("custom_call @CuteDSLRT_NvJaxCutlassCall") == kernels
+    assert text.count(CALL) == 1
     assert ("dot_general" in text) == (variant == "xla")
+
+
+MEMORY_MODEL = [  # (what the PTX must hold, why)
+    ("ld.relaxed.sys.global.v4.u32", "every poll is a strong system-scope load"),
+    ("st.relaxed.sys.global.v4.b32", "publish and re-arm stores are strong at system scope"),
+    ("fence.acq_rel.sys", "a publisher fences before its first mailbox store of a call"),
+    ("%globaltimer", "waits are bounded by time"),
+    ("atom.acq_rel.gpu.global.add.u32", "the last CTA advances the call counter"),
+    ("red.relaxed.gpu.global.or.b32", "a timeout records the missing ranks"),
+]
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "two_shot", "split", "xla", "fused"])
+def test_memory_model_in_ptx(tmp_path, kind):
+    """Every mailbox kernel family emits the stores, polls and fences docs/protocol.md
+    states, and no weak global store or load of a mailbox word (ld.volatile is gone too)."""
+    script = f"""
+import functools, jax, jax.numpy as jnp
+import jax_kimik3 as k3
+from jax_kimik3.kernels import lamport_ops, oproj
+from tests.test_mailbox import spec, table
+s = jax.ShapeDtypeStruct
+t, r = jnp.asarray(table(4)), jnp.zeros((1,), jnp.int32)
+kind = {kind!r}
+if kind in ("all_reduce", "two_shot"):
+    f = lambda x: lamport_ops.all_reduce(x, t, r, spec=spec(4), two_shot=kind == "two_shot")
+    args = [s((1, 8, 7168), jnp.bfloat16)]
+else:
+    def f(x, w, p, b, g, pw, o):
+        return oproj.tail(x, w, p, b, g, pw, o, table=t, ranks=r, spec=spec(4), num_blocks=3,
+                          has_delta=True, eps=1e-5, out_eps=1e-5, variant=kind)
+    args = [s((1, 4, 3072), jnp.bfloat16), s((1, 7168, 3072), jnp.bfloat16),
+            s((4, 7168), jnp.bfloat16), s((4, 8, 7168), jnp.bfloat16)] + [s((7168,), jnp.bfloat16)] * 3
+jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+"""
+    ptx = kept_ptx(script, tmp_path)
+    for text, why in MEMORY_MODEL:
+        assert text in ptx, why
+    assert "ld.volatile" not in ptx

@@ -32,7 +32,7 @@ def _run(tp, x, w, inp, *, num_blocks, has_delta):
 
 
 @pytest.mark.parametrize("has_delta", [True, False], ids=["delta", "new_block"])
-@pytest.mark.parametrize("k_total", [12288, 1536])
+@pytest.mark.parametrize("k_total", [12288])  # Kimi K3's: K per rank must add up to it
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_oproj_attn_res_matches_oracle(rng, tp, k_total, has_delta):
     assert len(jax.devices()) >= tp, "conftest asks XLA for 8 host devices"

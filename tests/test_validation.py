@@ -1,5 +1,8 @@
 """Bad input raises a ValueError at trace time naming the argument, its value and the limit."""
 
+import functools
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,12 +56,36 @@ ATTN_RES_CASES = [
      r"out_norm_w has shape=\(256,\) dtype=float32; expected shape=\(256,\) dtype=bfloat16"),
     ("delta shape", dict(delta=spec((3, H))), {},
      r"delta has shape=\(3, 256\) dtype=bfloat16; expected shape=\(4, 256\)"),
-    ("stats dtype", dict(stats=(spec((4, H)), spec((4, 2), jnp.float32))), {},
-     r"stats\[0\] \(mixture\) has shape=\(4, 256\) dtype=bfloat16; expected .* dtype=float32"),
-    ("stats shape", dict(stats=(spec((4, H), jnp.float32), spec((4, 3), jnp.float32))), {},
-     r"stats\[1\] \(scal\) has shape=\(4, 3\)"),
-    ("eps", {}, dict(eps=0.0), r"eps=0.0 must be > 0"),
-    ("out_eps", {}, dict(out_eps=-1e-5), r"out_eps=-1e-05 must be > 0"),
+    ("stats dtype", dict(stats=k3.AttnResStatistics(spec((4, H)), spec((4, 2), jnp.float32), 2)),
+     {}, r"stats.mixture has shape=\(4, 256\) dtype=bfloat16; expected .* dtype=float32"),
+    ("stats shape", dict(stats=k3.AttnResStatistics(spec((4, H), jnp.float32),
+                                                    spec((4, 3), jnp.float32), 2)), {},
+     r"stats.scal has shape=\(4, 3\)"),
+    ("stats of other K", dict(stats=k3.AttnResStatistics(spec((4, H), jnp.float32),
+                                                         spec((4, 2), jnp.float32), 3)), {},
+     r"stats cover num_blocks=3 saved blocks; this call mixes num_blocks=2"),
+    ("stats a plain pair", dict(stats=(spec((4, H), jnp.float32), spec((4, 2), jnp.float32))),
+     {}, r"stats=\(.* must be the AttnResStatistics that attn_res_statistics"),
+    ("eps", {}, dict(eps=0.0), r"eps=0.0 must be a finite number > 0"),
+    ("eps nan", {}, dict(eps=float("nan")), r"eps=nan must be a finite number > 0"),
+    ("eps inf", {}, dict(eps=float("inf")), r"eps=inf must be a finite number > 0"),
+    ("eps bool", {}, dict(eps=True), r"eps=True must be a finite number > 0"),
+    ("eps str", {}, dict(eps="1e-5"), r"eps='1e-5' must be a finite number > 0"),
+    ("out_eps", {}, dict(out_eps=-1e-5), r"out_eps=-1e-05 must be a finite number > 0"),
+    ("num_blocks float", {}, dict(num_blocks=2.0), r"num_blocks=2.0 must be an integer"),
+    ("num_blocks bool", {}, dict(num_blocks=True), r"num_blocks=True must be an integer"),
+    ("write_idx float", {}, dict(num_blocks=2, write_idx=3.0), r"write_idx=3.0 must be an integer"),
+    ("res_norm_w None", dict(res_norm_w=None), {},
+     r"res_norm_w=None: a bf16 \[256\] weight is required"),
+    ("res_proj_w None", dict(res_proj_w=None), {},
+     r"res_proj_w=None: a bf16 \[256\] weight is required"),
+    ("weight not an array", dict(res_proj_w=[1.0] * H), {},
+     r"res_proj_w=\[.* is not an array; expected shape=\(256,\) dtype=bfloat16"),
+    ("prefix None", dict(prefix=None), {}, r"prefix=None is not an array; expected \[B, H\]"),
+    ("blocks None", dict(blocks=None), {}, r"blocks=None is not an array"),
+    ("unhashable num_blocks", {}, dict(num_blocks=[2]),
+     r"num_blocks=\[2\] is a static argument and must be hashable \(got an unhashable list\)"),
+    ("backend", {}, dict(backend="gpu"), r"backend='gpu' must be one of \('auto', 'kernel'"),
 ]
 
 
@@ -133,3 +160,213 @@ def test_oproj_attn_res_virtual_rejects(x, w, pattern):
     with pytest.raises(ValueError, match=r"^oproj_attn_res_virtual: .*" + pattern):
         jax.jit(lambda *a: k3.oproj_attn_res_virtual(*a, num_blocks=2, has_delta=True)).trace(
             x, w, *attn_args().values())
+
+
+
+def on_mesh(f, tp=2, axes=("tp",), shape=None):
+    mesh = Mesh(np.array(jax.devices()[:tp]).reshape(shape or (tp,)), axes)
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P()))
+
+
+def tail_trace(tp=2, x=None, w=None, axis_name="tp", **static):
+    """oproj_attn_res traced on a TP mesh of host devices with the reference's small H."""
+    x = spec((4, 96)) if x is None else x
+    w = spec((H, 96)) if w is None else w
+    static = dict(dict(num_blocks=2, has_delta=True), **static)
+    step = on_mesh(lambda *a: k3.oproj_attn_res(*a, axis_name=axis_name, **static), tp)
+    return step.trace(x, w, *attn_args().values())
+
+
+TAIL_CASES = [
+    ("has_delta None", dict(has_delta=None), r"has_delta=None must be True or False"),
+    ("has_delta int", dict(has_delta=1), r"has_delta=1 must be True or False"),
+    ("two_shot str", dict(two_shot="no"), r"two_shot='no' must be True or False or None"),
+    ("num_blocks float", dict(num_blocks=2.0), r"num_blocks=2.0 must be an integer"),
+    ("eps zero", dict(eps=0), r"eps=0 must be a finite number > 0"),
+    ("out_eps nan", dict(out_eps=float("nan")), r"out_eps=nan must be a finite number > 0"),
+    ("unbound axis", dict(axis_name="model"),
+     r"axis_name='model' is not bound: call inside shard_map"),
+    ("unhashable axis", dict(axis_name=["tp"]),
+     r"axis_name=\['tp'\] is a static argument and must be hashable"),
+    ("mailbox type", dict(mailbox="box"), r"mailbox='box' must be a Mailbox, a MailboxSpec or None"),
+    ("unhashable mailbox", dict(mailbox={}), r"mailbox=\{\} is a static argument and must be hashable"),
+    ("kernel without mailbox", dict(backend="kernel"),
+     r"backend='kernel' needs mailbox= \(the all-reduce's peer buffers\)"),
+    ("ahead of one", dict(ahead=(spec((H,)),)), r"ahead must be a \(res_norm_w, res_proj_w\) pair"),
+    ("ahead None weight", dict(ahead=(spec((H,)), None)),
+     r"ahead\[1\] \(res_proj_w\)=None: a bf16 \[256\] weight is required"),
+]
+
+
+@pytest.mark.parametrize("case", TAIL_CASES, ids=[c[0] for c in TAIL_CASES])
+def test_oproj_attn_res_rejects_statics(case):
+    _, static, pattern = case
+    with pytest.raises(ValueError, match=r"^oproj_attn_res: .*" + pattern):
+        tail_trace(**static)
+
+
+def kimi_tail_trace(tp, k, mailbox=None, peer_table=None, shape=None, axes=("tp",), **static):
+    """oproj_attn_res at Kimi K3's H on a mesh of host devices (traced, nothing runs)."""
+    h = 7168
+    args = [spec((4, k)), spec((h, k)), spec((4, h)), spec((4, NB, h)), spec((h,)), spec((h,)),
+            spec((h,))]
+    f = functools.partial(k3.oproj_attn_res, axis_name="tp", num_blocks=2, has_delta=True,
+                          mailbox=mailbox, **static)
+    if peer_table is not None:
+        args.append(peer_table)
+        f = (lambda g: lambda *a: g(*a[:-1], peer_table=a[-1]))(f)
+    return on_mesh(f, tp, axes, shape).trace(*args)
+
+
+def test_oproj_shards_must_add_up_to_the_config():
+    with pytest.raises(ValueError, match=r"x has K=1024 columns per rank at TP=2: 2048 in all; "
+                                         r"Kimi K3's o_proj has o_proj_in_features=12288"):
+        kimi_tail_trace(2, 1024)
+    kimi_tail_trace(2, 6144)  # 2 x 6144 = 12288: traces
+
+
+def mailbox_spec(tp, **kw):
+    return k3.MailboxSpec(k3.MailboxLayout(tp), **kw)
+
+
+TABLE = functools.partial(spec, dtype=jnp.uint32)
+
+
+@pytest.mark.parametrize("tp,mailbox,table,pattern", [
+    (2, mailbox_spec(4), TABLE((5, 2)), r"axis 'tp' has 2 ranks; the mailbox has tp=4"),
+    (2, mailbox_spec(2, virtual=True), TABLE((3, 2)),
+     r"is virtual \(every rank's buffer on one device\) and cannot serve mesh axis 'tp'"),
+    (2, mailbox_spec(2), None, r"has no memory: pass its peer_table= \(uint32 \[3, 2\]"),
+    (2, mailbox_spec(2), TABLE((2, 2)), r"peer_table has shape=\(2, 2\) dtype=uint32; "
+                                        r"expected shape=\(3, 2\) dtype=uint32"),
+    (2, mailbox_spec(2), spec((3, 2), jnp.int32), r"peer_table has .* dtype=int32"),
+])
+def test_tail_rejects_mailbox(tp, mailbox, table, pattern):
+    with pytest.raises(ValueError, match=r"^oproj_attn_res: .*" + pattern):
+        kimi_tail_trace(tp, 12288 // tp, mailbox, table)
+
+
+def test_mailbox_serves_one_tp_group():
+    """A ("dp", "tp") mesh: each dp group would share the one TP mailbox's buffers."""
+    with pytest.raises(ValueError, match=r"the mesh has other axes \{'dp': 2\} beside 'tp': "
+                                         r"each of their groups of 2 ranks would share"):
+        kimi_tail_trace(4, 6144, mailbox_spec(2), TABLE((3, 2)), shape=(2, 2),
+                        axes=("dp", "tp"))
+
+
+def test_concurrent_command_buffers_refused(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")
+                       + " --xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
+    with pytest.raises(ValueError, match=r"XLA could then run two mailbox calls at once"):
+        kimi_tail_trace(2, 6144, mailbox_spec(2), TABLE((3, 2)))
+
+
+def test_backend_kernel_needs_a_gpu(monkeypatch):
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    with pytest.raises(ValueError, match=r"backend='kernel': needs a CUDA GPU \(JAX's default "
+                                         r"backend here is 'cpu'\); to lower the kernels for "
+                                         r"CUDA on this host, set CUTE_DSL_ARCH=sm_90a"):
+        trace_attn_res({**attn_args(h=7168), "blocks": spec((4, NB, 7168))}, num_blocks=2,
+                       backend="kernel")
+
+
+def test_backend_kernel_needs_kimi_h():
+    with pytest.raises(ValueError, match=r"the kernels are built for H=7168; got H=256"):
+        trace_attn_res(attn_args(), num_blocks=2, backend="kernel")
+
+
+@pytest.mark.parametrize("make,pattern", [
+    (lambda: k3.AttentionTail(3), r"plan=3 must be a LayerPlan"),
+    (lambda: k3.AttentionTail(k3.KIMI_K3.layer(0), axis_name=["tp"]),
+     r"axis_name=\['tp'\] must be hashable"),
+    (lambda: k3.AttentionTail(k3.KIMI_K3.layer(0), mailbox=object()),
+     r"mailbox=<object .* must be a Mailbox, a MailboxSpec or None"),
+    (lambda: k3.AttentionTail(k3.KIMI_K3.layer(0), backend="xla"),
+     r"backend='xla' must be one of"),
+])
+def test_attention_tail_rejects(make, pattern):
+    with pytest.raises(ValueError, match=r"^AttentionTail: " + pattern):
+        make()
+
+
+def test_tail_calls_need_their_weights():
+    inp = attn_args()
+    tail = k3.AttentionTail(k3.KIMI_K3.layer(1))
+    with pytest.raises(ValueError, match=r"pre_attention: weights=\(.* must be an AttnResWeights"):
+        tail.pre_attention((inp["res_norm_w"],) * 3, inp["prefix"], inp["blocks"], inp["prefix"])
+    with pytest.raises(ValueError, match=r"final: weights=None must be an AttnResWeights"):
+        k3.final_attn_res(None, inp["prefix"], inp["blocks"], inp["prefix"], num_layers=3)
+
+
+@pytest.mark.parametrize("num_layers,pattern", [
+    (2.5, r"num_layers=2.5 must be an integer"), (0, r"num_layers=0 must be in \[1, 93\]")])
+def test_final_attn_res_num_layers(num_layers, pattern):
+    inp = attn_args()
+    w = k3.AttnResWeights(inp["res_norm_w"], inp["res_proj_w"], inp["out_norm_w"])
+    with pytest.raises(ValueError, match=pattern):
+        k3.final_attn_res(w, inp["prefix"], inp["blocks"], inp["prefix"], num_layers=num_layers)
+
+
+def reduce_trace(f, rows, tp=2):
+    return on_mesh(f, tp).trace(rows, TABLE((tp + 1, 2)))
+
+
+@pytest.mark.parametrize("rows,static,pattern", [
+    (spec((4, 7168)), dict(two_shot="no"), r"two_shot='no' must be True or False"),
+    (spec((4, 7168)), dict(two_shot=None), r"two_shot=None must be True or False"),
+    (spec((65, 7168)), {}, r"rows has batch B=65; must be in \[1, 64\]"),
+    (spec((4, 7168), jnp.float32), {}, r"rows has shape=\(4, 7168\) dtype=float32; expected "
+                                       r"\[B, H\] bfloat16"),
+    (spec((4, 1024)), {}, r"rows has H=1024; the mailbox's rows have hidden=7168"),
+    (spec((4, 7168)), dict(axis_name="dp"), r"axis_name='dp' is not bound"),
+    (spec((4, 7168)), dict(mailbox=None), r"mailbox=None must be a Mailbox, a MailboxSpec"),
+])
+def test_all_reduce_rejects(rows, static, pattern):
+    kw = dict(dict(axis_name="tp", mailbox=mailbox_spec(2)), **static)
+    mailbox = kw.pop("mailbox")
+    with pytest.raises(ValueError, match=r"^all_reduce: .*" + pattern):
+        reduce_trace(lambda r, t: k3.all_reduce(r, mailbox, peer_table=t, **kw), rows)
+
+
+@pytest.mark.parametrize("partials,mailbox,pattern", [
+    (spec((2, 4, 7168)), mailbox_spec(4, virtual=True),
+     r"partials has TP=2 shards; the mailbox has tp=4"),
+    (spec((4, 7168)), mailbox_spec(2, virtual=True), r"partials has shape=\(4, 7168\); expected"),
+    (spec((2, 4, 7168)), mailbox_spec(2),
+     r"has its 2 ranks on different devices; virtual TP runs every rank on one device"),
+])
+def test_all_reduce_virtual_rejects(partials, mailbox, pattern):
+    with pytest.raises(ValueError, match=r"^all_reduce_virtual: .*" + pattern):
+        jax.jit(lambda p, t: k3.all_reduce_virtual(p, mailbox, peer_table=t)).trace(
+            partials, TABLE((mailbox.tp + 1, 2)))
+
+
+@pytest.mark.parametrize("make,pattern", [
+    (lambda: k3.MailboxLayout(0), r"tp=0 must be >= 1"),
+    (lambda: k3.MailboxLayout(2.0), r"tp=2.0 must be an integer"),
+    (lambda: k3.MailboxLayout(3), r"tp=3 must be >= 1 and divide hidden=7168"),
+    (lambda: k3.MailboxLayout(2, capacity=0), r"capacity=0 must be >= 1"),
+    (lambda: k3.MailboxSpec(k3.MailboxLayout(2), timeout_ms=0),
+     r"timeout_ms=0 must be a number in \(0, 600000\]"),
+    (lambda: k3.MailboxSpec(k3.MailboxLayout(2), timeout_ms=-5.0), r"timeout_ms=-5.0 must be"),
+    (lambda: k3.MailboxSpec(k3.MailboxLayout(2), timeout_ms=float("inf")), r"timeout_ms=inf"),
+    (lambda: k3.MailboxSpec(k3.MailboxLayout(2), timeout_ms=1e9), r"timeout_ms=1000000000.0"),
+    (lambda: k3.MailboxSpec(k3.MailboxLayout(2), multicast="yes"), r"multicast='yes' must be a bool"),
+    (lambda: k3.MailboxSpec(2), r"layout=2 must be a MailboxLayout"),
+    (lambda: k3.Mailbox([0], k3.MailboxLayout(2)), r"ordinals=\(0,\) name 1 devices; the layout "
+                                                   r"has tp=2 ranks"),
+    (lambda: k3.Mailbox([-1], k3.MailboxLayout(1)), r"ordinals\[0\]=-1 must be >= 0"),
+    (lambda: k3.Mailbox.for_devices([]), r"devices=\[\] must name at least one CUDA device"),
+    (lambda: k3.Mailbox.for_devices(jax.devices()[:2]),
+     r"Mailbox.for_devices needs CUDA GPU devices; got devices of platform \['cpu'\]"),
+    (lambda: k3.Mailbox.virtual(jax.devices()[0], 2), r"Mailbox.virtual needs a CUDA GPU device"),
+])
+def test_mailbox_rejects(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+def test_mailbox_needs_cuda_devices():
+    """A host without a CUDA driver (CI): the mailbox says what it needs."""
+    with pytest.raises(RuntimeError, match=r"Mailbox needs CUDA GPUs"):
+        k3.Mailbox([0], k3.MailboxLayout(1))

@@ -3,11 +3,14 @@
 A row's H = 7168 columns are split over a cluster of CLUSTER = 7 CTAs of 128 threads, each
 thread owning one 8-wide bf16 vector. Per row:
 1. the prefix update p = bf16(prefix + delta), stored to new_prefix (and to the block slot
-   `write_idx` when the layer writes a block). With a Lamport ring the delta (or, when a block
-   starts, p itself) is the all-reduce of the TP ranks' o_proj rows: each thread polls its
-   8 columns in every rank's mailbox slot, sums them in rank order, rounds to bf16 and
-   re-arms the slots; after a two-shot reduction it polls the gather region instead, where
-   the columns' owners left the sum (kernels/lamport.py has the protocol);
+   `write_idx` when the layer writes a block). With a mailbox `reduction` the delta (or, when
+   a block starts, p itself) is the all-reduce of the TP ranks' o_proj rows: each thread polls
+   its 8 columns in every rank's mailbox slot of the call's buffer, sums them in rank order,
+   rounds to bf16 and re-arms the slots; after a two-shot reduction it polls the gather region
+   instead, where the columns' owners left the sum (kernels/lamport.py has the protocol). R
+   ranks per launch: cluster row `item` of R·B is rank item // B's token row item % B. A wait
+   that gives up makes the whole row NaN (out and new_prefix): each thread's failure joins
+   the logits' cluster exchange. The last CTA advances the ranks' call counters;
 2. per source (the K saved blocks, then p) the partial Σv² and Σv·g·w of each thread, summed
    over the cluster through distributed shared memory (`primitives.cluster_sums`);
 3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
@@ -19,7 +22,7 @@ fp32 mixture Σ e^{z_i-m} b_i and (m, s). Statistics ahead ("bind_ahead"): the A
 also stores them for a later call site that mixes the same saved blocks under its own weights
 (the next layer's pre-attention, or the final call), from the blocks it already holds and one
 cluster exchange it already makes, so the later call reads no block.
-Constraints: H = CLUSTER · THREADS · 8; 1 <= B (one cluster per row, grid (CLUSTER, B)).
+Constraints: H = CLUSTER · THREADS · 8; 1 <= B (one cluster per row, grid (CLUSTER, R·B)).
 """
 
 from __future__ import annotations
@@ -29,18 +32,18 @@ import functools
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import Float32, Int64
+from cutlass import Float32, Int32, Int64
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.attn_res_ops import AttnResVariant
-from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, address_of, cluster_sums,
-                                           load_f32, poll_sum, rearm, store, vectors)
+from jax_kimik3.kernels.geometry import CLUSTER, THREADS
+from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, call_of, cluster_sums,
+                                           finish_call, load_f32, one_or_nan, poll_sum, rearm,
+                                           store, vectors)
 
 HIDDEN = KIMI_K3.hidden_size
-CLUSTER = 7
-THREADS = HIDDEN // (CLUSTER * VECTOR)  # 128
 WARPS = THREADS // WARP
-assert CLUSTER * THREADS * VECTOR == HIDDEN and THREADS % WARP == 0
+TAIL_CONSUMER = 3  # WAITERS code (jax_kimik3.mailbox)
 
 
 def _row_major(*shape):
@@ -57,22 +60,25 @@ def _smem_bytes(reductions: int, values: int) -> int:
 
 
 @cute.jit
-def cluster_logits(sources: list, keys: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
-                   rank):
+def cluster_logits(sources: list, keys: list, extra: list, warp_buf: cute.Tensor,
+                   cluster_buf: cute.Tensor, rank):
     """z = Σv·g·w · rsqrt(Σv²/H + eps) of each source (this thread's fp32 columns of a row)
-    under each key (g·w of this thread's columns, eps): [[z of each source] of each key], every
-    sum taken over the cluster in one exchange. Completes the kernel's launch-time
-    `cluster_arrive_relaxed` (peers' shared memory exists) before the first DSMEM store."""
+    under each key (g·w of this thread's columns, eps): ([[z of each source] of each key],
+    [cluster sum of each of the `extra` per-thread values]), every sum taken over the cluster
+    in one exchange. Completes the kernel's `cluster_arrive_relaxed` (peers' shared memory
+    exists, they are done with the last row's buffers) before the first DSMEM store."""
     partials = []
     for s in sources:
         partials.append((s * s).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
         for gw, _ in keys:
             partials.append((s * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+    partials += extra
     cute.arch.cluster_wait()
     sums = cluster_sums(partials, warp_buf, cluster_buf, CLUSTER, rank)
     per = 1 + len(keys)
-    return [[sums[per * i + 1 + k] * cute.math.rsqrt(sums[per * i] * (1.0 / HIDDEN) + eps)
-             for i in range(len(sources))] for k, (_, eps) in enumerate(keys)]
+    logits = [[sums[per * i + 1 + k] * cute.math.rsqrt(sums[per * i] * (1.0 / HIDDEN) + eps)
+               for i in range(len(sources))] for k, (_, eps) in enumerate(keys)]
+    return logits, sums[len(sums) - len(extra):]
 
 
 @cute.jit
@@ -85,9 +91,10 @@ def maximum(values: list):
 
 @cute.jit
 def store_statistics(z: list, blocks: cute.Tensor, row, col, mixture: cute.Tensor,
-                     scal: cute.Tensor):
-    """This thread's columns of Σ e^{z_i-m} b_i into `mixture`, and (m, s) into `scal` from the
-    row's first thread. Each block is read again (an L1 hit) rather than held in registers."""
+                     scal: cute.Tensor, item):
+    """This thread's columns of Σ e^{z_i-m} b_i (of token row `row`) into row `item` of
+    `mixture`, and (m, s) into `scal` from the row's first thread. Each block is read again
+    (an L1 hit) rather than held in registers."""
     top = maximum(z)
     total = Float32(0.0)
     acc = None
@@ -96,23 +103,36 @@ def store_statistics(z: list, blocks: cute.Tensor, row, col, mixture: cute.Tenso
         total = total + e
         term = load_f32(blocks, (row, i, col)) * e
         acc = term if i == 0 else acc + term
-    store(mixture, (row, col), acc)
+    store(mixture, (item, col), acc)
     if col == 0:
-        scal[row, 0] = top
-        scal[row, 1] = total
+        scal[item, 0] = top
+        scal[item, 1] = total
 
 
 class AttnResKernel:
-    """out, new_prefix (and the block write, in place) from prefix, delta, blocks, weights."""
+    """out, new_prefix (and the block write, in place) from prefix, delta (or the mailbox
+    reduction of R ranks' rows), blocks, weights: rows [R·B, H] out."""
 
     def __init__(self, variant: AttnResVariant):
         self.v = variant
+        self.ranks = 1 if variant.reduction is None else variant.reduction.ranks
 
     @cute.jit
     def __call__(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
                  res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
-                 ahead_proj_w, table, rank, after, out: cute.Tensor, new_prefix=None,
+                 ahead_proj_w, table, ranks, out: cute.Tensor, new_prefix=None,
                  ahead_mixture=None, ahead_scal=None):
+        self.launch(stream, prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w,
+                    out_norm_w, ahead_norm_w, ahead_proj_w, table, ranks, out, new_prefix,
+                    ahead_mixture, ahead_scal)
+
+    @cute.jit
+    def launch(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
+               res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
+               ahead_proj_w, table, ranks, out: cute.Tensor, new_prefix, ahead_mixture,
+               ahead_scal):
+        """The kernel on `stream`, one cluster per output row (R·B); the tail calls launch it
+        after the rows' producers."""
         batch = cute.size(prefix, mode=[0])
 
         def optional(t):
@@ -120,39 +140,46 @@ class AttnResKernel:
 
         self.kernel(vectors(prefix), optional(delta), vectors(blocks), optional(mixture), scal,
                     vectors(res_norm_w), vectors(res_proj_w), optional(out_norm_w),
-                    optional(ahead_norm_w), optional(ahead_proj_w), table, rank, vectors(out),
-                    optional(new_prefix), optional(ahead_mixture), ahead_scal).launch(
-            grid=[CLUSTER, batch, 1], block=[THREADS, 1, 1], cluster=[CLUSTER, 1, 1],
-            smem=_smem_bytes(2, self.exchanged), stream=stream)
+                    optional(ahead_norm_w), optional(ahead_proj_w), table, ranks, vectors(out),
+                    optional(new_prefix), optional(ahead_mixture), ahead_scal, batch).launch(
+            grid=[CLUSTER, self.ranks * batch, 1], block=[THREADS, 1, 1],
+            cluster=[CLUSTER, 1, 1], smem=_smem_bytes(2, self.exchanged), stream=stream)
 
     @property
     def exchanged(self) -> int:
-        """Values per thread in the logits' cluster exchange: Σv² and one Σv·g·w per key."""
-        return (2 + self.v.ahead) * self.v.sources
+        """Values per thread in the logits' cluster exchange: Σv² and one Σv·g·w per key of
+        each source, and with a reduction the thread's failure."""
+        return (2 + self.v.ahead) * self.v.sources + (self.v.reduction is not None)
 
     @cute.kernel
     def kernel(self, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
                res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
-               ahead_proj_w, table, rank_t, out: cute.Tensor, new_prefix, ahead_mixture,
-               ahead_scal):
+               ahead_proj_w, table, ranks, out: cute.Tensor, new_prefix, ahead_mixture,
+               ahead_scal, batch: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        cta, row, _ = cute.arch.block_idx()
-        self.row(tidx, cta, row, prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w,
-                 out_norm_w, ahead_norm_w, ahead_proj_w, table, rank_t, out, new_prefix,
-                 ahead_mixture, ahead_scal)
+        cta, item, _ = cute.arch.block_idx()
+        self.row(tidx, cta, item, batch, prefix, delta, blocks, mixture, scal, res_norm_w,
+                 res_proj_w, out_norm_w, ahead_norm_w, ahead_proj_w, table, ranks, out,
+                 new_prefix, ahead_mixture, ahead_scal)
+        if cutlass.const_expr(self.v.reduction is not None):
+            if tidx == 0:  # the row's barriers: every thread has read the control words
+                finish_call(table, ranks, self.ranks, self.v.reduction.spec.layout)
 
     @cute.jit
-    def row(self, tidx, cta, row, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture,
-            scal, res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
-            ahead_proj_w, table, rank_t, out: cute.Tensor, new_prefix, ahead_mixture,
-            ahead_scal):
-        """Thread `tidx` of cluster CTA `cta` on token row `row` (steps 1-4 of the module
-        docstring); the tensors as `kernel` takes them. Called by THREADS threads of each of
-        the cluster's CLUSTER CTAs (it has CTA and cluster barriers: any other thread of the
-        CTA must have exited); the fused tail kernel calls it too."""
+    def row(self, tidx, cta, item, batch, prefix: cute.Tensor, delta, blocks: cute.Tensor,
+            mixture, scal, res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w,
+            ahead_norm_w, ahead_proj_w, table, ranks, out: cute.Tensor, new_prefix,
+            ahead_mixture, ahead_scal):
+        """Thread `tidx` of cluster CTA `cta` on output row `item` (rank item // batch's
+        token row; steps 1-4 of the module docstring); the tensors as `kernel` takes them.
+        Called by THREADS threads of each of the cluster's CLUSTER CTAs (it has CTA and
+        cluster barriers: any other thread of the CTA must have exited); the fused tail
+        kernel calls it too, row after row."""
         v = self.v
         cute.arch.cluster_arrive_relaxed()  # peers' shared memory must exist before DSMEM stores
         col = cta * THREADS + tidx
+        i = item // batch
+        row = item - i * batch
         n = self.exchanged
         smem = cutlass.memory.SmemAllocator()
         warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
@@ -161,8 +188,10 @@ class AttnResKernel:
         norm_cluster = smem.allocate_tensor(Float32, _row_major(CLUSTER, 1), byte_alignment=16)
 
         gw = load_f32(res_norm_w, col) * load_f32(res_proj_w, col)
-        if cutlass.const_expr(v.ring is not None):
-            reduced = self.ring_sum(table, rank_t[0], row, col)
+        extra = []
+        if cutlass.const_expr(v.reduction is not None):
+            reduced, ok = self.reduced(table, ranks[i], row, col)
+            extra = [Float32(1.0) - Float32(ok)]  # this thread's failure, summed per row
             if cutlass.const_expr(v.has_delta):
                 p = (load_f32(prefix, (row, col)) + reduced).to(cutlass.BFloat16).to(Float32)
             else:
@@ -171,17 +200,21 @@ class AttnResKernel:
             p = load_f32(prefix, (row, col))
             if cutlass.const_expr(v.has_delta):
                 p = (p + load_f32(delta, (row, col))).to(cutlass.BFloat16).to(Float32)
-        if cutlass.const_expr(v.stores_prefix):
-            store(new_prefix, (row, col), p)
+            if cutlass.const_expr(v.stores_prefix):
+                store(new_prefix, (item, col), p)
         if cutlass.const_expr(v.write_idx >= 0):
             store(blocks, (row, v.write_idx, col), p)
 
-        saved = [load_f32(blocks, (row, i, col)) for i in range(v.sources - 1)]
+        saved = [load_f32(blocks, (row, s, col)) for s in range(v.sources - 1)]
         keys = [(gw, v.eps)]
         if cutlass.const_expr(v.ahead):
             keys.append((load_f32(ahead_norm_w, col) * load_f32(ahead_proj_w, col), v.eps))
-        logits = cluster_logits(saved + [p], keys, warp_buf, cluster_buf, cta)
+        logits, failures = cluster_logits(saved + [p], keys, extra, warp_buf, cluster_buf, cta)
         z = logits[0]
+        scale = Float32(1.0)
+        if cutlass.const_expr(v.reduction is not None):  # NaN over the whole row on a failure
+            scale = one_or_nan(Int32(failures[0] == Float32(0.0)))
+            store(new_prefix, (item, col), p * scale)
 
         if cutlass.const_expr(v.precomputed):
             m, s_saved = scal[row, 0], scal[row, 1]
@@ -192,12 +225,12 @@ class AttnResKernel:
             top = maximum(z)
             e = cute.math.exp(z[v.num_blocks] - top)
             total, acc = e, p * e
-            for i in cutlass.range_constexpr(v.num_blocks):
+            for s in cutlass.range_constexpr(v.num_blocks):
                 # Read the block again (an L1 hit) rather than hold K rows of registers
                 # across the cluster exchange: that keeps a B = 64 grid in one wave.
-                e = cute.math.exp(z[i] - top)
+                e = cute.math.exp(z[s] - top)
                 total = total + e
-                acc = acc + load_f32(blocks, (row, i, col)) * e
+                acc = acc + load_f32(blocks, (row, s, col)) * e
             mix = acc * (1.0 / total)
 
         if cutlass.const_expr(v.out_norm):
@@ -205,29 +238,34 @@ class AttnResKernel:
                               norm_warp, norm_cluster, CLUSTER, cta)
             r = cute.math.rsqrt(sq[0] * (1.0 / HIDDEN) + v.out_eps)
             mix = mix * r * load_f32(out_norm_w, col)
-        store(out, (row, col), mix)
+        if cutlass.const_expr(v.reduction is not None):
+            mix = mix * scale
+        store(out, (item, col), mix)
         if cutlass.const_expr(v.ahead):  # the later site's logits of the saved blocks (not p)
             store_statistics(logits[1][:v.num_blocks], blocks, row, col, ahead_mixture,
-                             ahead_scal)
+                             ahead_scal, item)
 
     @cute.jit
-    def ring_sum(self, table: cute.Tensor, rank, row, col):
-        """This thread's 8 columns of the rank-order fp32 sum of the TP mailbox slots, rounded
-        to bf16 (as fp32), or of the gather region the two-shot owners filled with it; what
-        was read is re-armed."""
-        lay, v = self.v.ring, self.v
-        mine = address_of(table, rank)
+    def reduced(self, table: cute.Tensor, rank, row, col):
+        """(this thread's 8 columns of the rank-order fp32 sum of the TP mailbox slots,
+        rounded to bf16 (as fp32), ok): or of the gather region the two-shot owners filled
+        with it; what was read is re-armed. NaN where the wait gave up (ok 0)."""
+        red = self.v.reduction
+        lay = red.spec.layout
+        wait = call_of(table, rank, lay, red.spec.timeout_ns, TAIL_CONSUMER)
         within = Int64(row) * lay.row_bytes + Int64(col) * VECTOR_BYTES
-        if cutlass.const_expr(v.two_shot):
-            slots = [mine + lay.gather(v.parity) + within]
+        if cutlass.const_expr(red.two_shot):
+            slots = [wait.mine + Int64(lay.gather(wait.buffer)) + within]
+            peers = [col // (lay.chunk // VECTOR)]
         else:
-            slots = [mine + lay.slot(v.parity, q) + within for q in range(lay.tp)]
-        acc = poll_sum(slots, v.max_spins, mine + lay.status)
+            slots = [wait.mine + Int64(lay.slot(wait.buffer, q)) + within for q in range(lay.tp)]
+            peers = list(range(lay.tp))
+        acc, ok = poll_sum(slots, peers, wait)
         rearm(slots)
         frag = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
-        for i in cutlass.range_constexpr(VECTOR):
-            frag[i] = acc[i]
-        return frag.load().to(cutlass.BFloat16).to(Float32)
+        for e in cutlass.range_constexpr(VECTOR):
+            frag[e] = acc[e]
+        return frag.load().to(cutlass.BFloat16).to(Float32), ok
 
 
 class StatisticsKernel:
@@ -258,8 +296,8 @@ class StatisticsKernel:
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
         gw = load_f32(res_norm_w, col) * load_f32(res_proj_w, col)
         saved = [load_f32(blocks, (row, i, col)) for i in range(self.num_blocks)]
-        z = cluster_logits(saved, [(gw, self.eps)], warp_buf, cluster_buf, rank)[0]
-        store_statistics(z, blocks, row, col, mixture, scal)
+        z = cluster_logits(saved, [(gw, self.eps)], [], warp_buf, cluster_buf, rank)[0][0]
+        store_statistics(z, blocks, row, col, mixture, scal, row)
 
 
 @functools.cache

@@ -4,14 +4,24 @@ kernels); this module imports no part of the CuTe DSL."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jax_kimik3 import reference
 from jax_kimik3.kernels.launch import Variant, launch
-from jax_kimik3.mailbox import MailboxLayout
+from jax_kimik3.mailbox import MailboxSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """The all-reduce an AttnRes kernel completes, as its delta or (starting a block) its
+    prefix: the sum of the rows that `ranks` ranks published into the mailbox of `spec` (the
+    gather region after the `two_shot` owners)."""
+
+    spec: MailboxSpec
+    ranks: int = 1
+    two_shot: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,81 +35,79 @@ class AttnResVariant:
     precomputed: bool  # read (mixture, scal) instead of the saved blocks
     eps: float
     out_eps: float
-    ring: MailboxLayout | None = None  # the delta is the all-reduce of these mailbox slots
-    parity: int = 0
-    max_spins: int = 0
-    two_shot: bool = False  # the ring's sum waits in the gather region (two-shot owners)
+    reduction: Reduction | None = None
     ahead: bool = False  # also store the saved blocks' statistics under a later site's weights
 
     def __post_init__(self):
         if self.ahead and (self.precomputed or not self.stores_prefix):
             raise ValueError("statistics ahead need the saved blocks (no stats=) and a delta "
-                             "or a ring (the kernel's outputs are out, new_prefix, statistics)")
+                             "or a reduction (the kernel's outputs are out, new_prefix, "
+                             "statistics)")
+        if self.reduction is not None and (self.precomputed or self.write_idx >= 0):
+            raise ValueError("an AttnRes kernel that completes an all-reduce (the "
+                             "post-attention tail) reads the saved blocks and writes none")
 
     @property
     def stores_prefix(self) -> bool:
-        """A new prefix differs from the input prefix: a delta, or a block from the ring."""
-        return self.has_delta or self.ring is not None
+        """A new prefix differs from the input prefix: a delta, or a block from the mailbox."""
+        return self.has_delta or self.reduction is not None
 
     @property
     def sources(self) -> int:
         """Sources reduced over the cluster: the saved blocks (unless precomputed) and p."""
         return 1 if self.precomputed else self.num_blocks + 1
 
+    @property
+    def ranks(self) -> int:
+        return 1 if self.reduction is None else self.reduction.ranks
 
-class Ring(NamedTuple):
-    """A Lamport mailbox as the AttnRes input: the all-reduce of the TP ranks' rows published
-    at `parity` (one-shot slots, or the gather region after the `two_shot` owners) is the
-    delta (`has_delta`) or, starting a block, the new prefix itself."""
 
-    layout: MailboxLayout
-    parity: int
-    max_spins: int
-    two_shot: bool
-    has_delta: bool
-    table: Any  # uint32 [T, 2] peer table
-    rank: Any  # int32 [1]
-    after: Any  # an array the publishes produced: orders this kernel after them
+def outputs(variant: AttnResVariant, batch: int, hidden: int) -> list:
+    """The kernel's results, in order: out, [new_prefix], [mixture, scal] (ahead), each with
+    R·B rows; the block write (an alias of `blocks`) comes after them."""
+    rows = variant.ranks * batch
+    row = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)
+    results = [row] * (1 + variant.stores_prefix)
+    if variant.ahead:
+        results += [jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
+                    jax.ShapeDtypeStruct((rows, 2), jnp.float32)]
+    return results
+
+
+def results(variant: AttnResVariant, values, prefix, blocks):
+    """(out, new_prefix, new_blocks[, (mixture, scal)]) from the kernel's result list."""
+    out = values[0]
+    new_prefix = values[1] if variant.stores_prefix else prefix
+    new_blocks = values[-1] if variant.write_idx >= 0 else blocks
+    if variant.ahead:
+        return out, new_prefix, new_blocks, (values[2], values[3])
+    return out, new_prefix, new_blocks
 
 
 def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, delta, write_idx,
-             eps, out_eps, stats, ring: Ring | None = None, ahead=None, into=None):
-    """The kernel behind `jax_kimik3.attn_res` (same arguments and results; inputs checked).
-
-    `ring` takes the delta from a Lamport mailbox instead of `delta`. `ahead` = (res_norm_w,
-    res_proj_w) of a later call site over the same saved blocks: the saved blocks' statistics
-    under those weights (mixture, scal) come back as a fourth result. `into` = (out,
-    new_prefix[, mixture, scal]) buffers written in place (the GPU tests pass poisoned ones).
-    """
-    has_delta = delta is not None if ring is None else ring.has_delta
-    variant = AttnResVariant(num_blocks, has_delta, write_idx, out_norm_w is not None,
+             eps, out_eps, stats, ahead=None, into=None):
+    """The kernel behind `jax_kimik3.attn_res` (same arguments and results; inputs checked;
+    `stats` a (mixture, scal) pair). `ahead` = (res_norm_w, res_proj_w) of a later call site
+    over the same saved blocks: their statistics (mixture, scal) come back as a fourth result.
+    `into` = (out, new_prefix[, mixture, scal]) buffers written in place (the GPU tests pass
+    poisoned ones)."""
+    variant = AttnResVariant(num_blocks, delta is not None, write_idx, out_norm_w is not None,
                              stats is not None, float(eps), float(out_eps),
-                             *((None, 0, 0, False) if ring is None else ring[:4]),
                              ahead=ahead is not None)
     mixture, scal = (None, None) if stats is None else stats
-    row = jax.ShapeDtypeStruct(prefix.shape, jnp.bfloat16)
-    outputs = [row] * (1 + variant.stores_prefix)
-    if variant.ahead:
-        b, h = prefix.shape
-        outputs += [jax.ShapeDtypeStruct((b, h), jnp.float32),
-                    jax.ShapeDtypeStruct((b, 2), jnp.float32)]
+    results_ = outputs(variant, *prefix.shape)
     inputs = [prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w, out_norm_w,
-              *(ahead or (None, None)), *((None,) * 3 if ring is None else ring[5:])]
+              *(ahead or (None, None)), None, None]
     aliases = {}
     if write_idx >= 0:  # the block write updates `blocks` in place
-        aliases[2] = len(outputs)
-        outputs.append(jax.ShapeDtypeStruct(blocks.shape, blocks.dtype))
+        aliases[2] = len(results_)
+        results_.append(jax.ShapeDtypeStruct(blocks.shape, blocks.dtype))
     if into is not None:
-        for buffer, index in zip(into, range(len(outputs) - (write_idx >= 0))):
+        for buffer, index in zip(into, range(len(results_) - (write_idx >= 0))):
             aliases[len(inputs)] = index
             inputs.append(buffer)
-    results = launch(Variant("attn_res", (variant,)), tuple(outputs), aliases)(*inputs)
-    out = results[0]
-    new_prefix = results[1] if variant.stores_prefix else prefix
-    new_blocks = results[-1] if write_idx >= 0 else blocks
-    if variant.ahead:
-        return out, new_prefix, new_blocks, (results[2], results[3])
-    return out, new_prefix, new_blocks
+    values = launch(Variant("attn_res", (variant,)), tuple(results_), aliases)(*inputs)
+    return results(variant, values, prefix, blocks)
 
 
 def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps, into=None):
@@ -107,10 +115,10 @@ def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps, into
     if num_blocks == 0:  # nothing to reduce: the empty softmax's constants
         return reference.attn_res_statistics(blocks, res_norm_w, res_proj_w, num_blocks=0, eps=eps)
     b, _, h = blocks.shape
-    outputs = (jax.ShapeDtypeStruct((b, h), jnp.float32), jax.ShapeDtypeStruct((b, 2), jnp.float32))
+    outputs_ = (jax.ShapeDtypeStruct((b, h), jnp.float32), jax.ShapeDtypeStruct((b, 2), jnp.float32))
     inputs = [blocks, res_norm_w, res_proj_w]
     aliases = {}
     if into is not None:
         aliases = {len(inputs): 0, len(inputs) + 1: 1}
         inputs += list(into)
-    return launch(Variant("statistics", (num_blocks, float(eps))), outputs, aliases)(*inputs)
+    return launch(Variant("statistics", (num_blocks, float(eps))), outputs_, aliases)(*inputs)

@@ -1,8 +1,15 @@
-"""The fused post-attention tail (sm_90a): o_proj producer CTAs and AttnRes consumer clusters
-in one launch ("fused" in kernels/oproj.py, which has the algorithm and launches it).
+"""The fused post-attention tail (sm_90a): o_proj producer and AttnRes consumer work of R ranks
+in one persistent launch ("fused" in kernels/oproj.py, which has the algorithm and launches it).
 
-Its CTAs run `OprojProducer.rows` (kernels/producer.py) or `AttnResKernel.row`
-(kernels/attn_res.py); this module holds the launch geometry and the register cap.
+The grid is `clusters` clusters of CLUSTER CTAs, every one resident at once (`residency`
+sizes it from the device's occupancy), each CTA of WARPS warps:
+1. producer items: CTA j of the grid takes CTA items j, j + CLUSTER·clusters, ... of the R·N/16
+   producer CTAs (`OprojProducer.rows`: 16 rows of rank i's w, then the publish);
+2. consumer items: then cluster g takes token rows g, g + clusters, ... of the R·B rows
+   (`AttnResKernel.row` on THREADS threads of each CTA; the other warps exit first).
+A CTA finishes all its producer items before it polls, and every CTA is resident, so each
+producer item is done by a running CTA: the consumers' waits never depend on the order in
+which the hardware dispatches blocks. The last CTA advances the ranks' call counters.
 """
 
 from __future__ import annotations
@@ -14,48 +21,53 @@ import cutlass.cute as cute
 
 from jax_kimik3.kernels import attn_res as attn_res_kernels
 from jax_kimik3.kernels import producer
-from jax_kimik3.kernels.attn_res import CLUSTER, HIDDEN, THREADS
+from jax_kimik3.kernels.attn_res import HIDDEN
 from jax_kimik3.kernels.attn_res_ops import AttnResVariant
-from jax_kimik3.kernels.primitives import WARP, vectors
+from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, ROWS,
+                                         THREADS, WARP)
+from jax_kimik3.kernels.primitives import finish_call, vectors
 from jax_kimik3.kernels.producer_ops import Publish
 
-PRODUCER_CLUSTERS = HIDDEN // producer.ROWS // CLUSTER  # 64 clusters of 7 CTAs per rank
-# Register cap through .minnctapersm: 4 CTAs of 256 threads per SM (<= 64 registers). The
-# consumer role alone would take 72 and the producer 40 (B <= 8; 68 at B = 64) (ptxas, sm_90a):
-# uncapped, the fused kernel's producer CTAs would fit 3 per SM, 396 on 132 SMs, fewer than one
-# rank's 448. At 64 the consumer spills 8 bytes (ptxas -v); 4 per SM holds 528 CTAs: one
-# rank's 448 producers and 7·B consumers for B <= 11, if the clusters place.
-MIN_CTAS_PER_SM = 4
-assert PRODUCER_CLUSTERS * CLUSTER * producer.ROWS == HIDDEN and THREADS <= producer.WARPS * WARP
+PRODUCER_CTAS = HIDDEN // ROWS  # 448 producer items per rank
+# Register cap through .minnctapersm: MIN_CTAS_PER_SM CTAs of 256 threads per SM (<= 64
+# registers), which `residency` counts on. The consumer role alone would take 72 and the
+# producer 40 (B <= 8; 68 at B = 64) (ptxas, sm_90a); at 64 the consumer spills a few bytes.
+MIN_CTAS_PER_SM = FUSED_CTAS_PER_SM
+THREADS_PER_CTA = PRODUCER_WARPS * WARP
+SMEM_PER_CTA = 228 * 1024 // MIN_CTAS_PER_SM - 1024  # an sm_90 SM's shared memory, 4 CTAs
 
 
 class OprojAttnResFused:
-    """The fused tail for `ranks` ranks: x [R, B, K], w [R, H, K], ranks int32 [R] →
-    out, new_prefix [R, B, H] (each rank's post-attention AttnRes on the all-reduce)."""
+    """The fused tail for `ranks` ranks: x [R·B, K], w [R·H, K], ranks int32 [R] → out,
+    new_prefix [R·B, H] (each rank's post-attention AttnRes on the all-reduce), on a grid of
+    at most `clusters` co-resident clusters."""
 
-    def __init__(self, ranks: int, batch: int, k: int, publish: Publish,
-                 variant: AttnResVariant):
-        if (variant.ring is None or variant.two_shot or variant.ahead or variant.write_idx >= 0
+    def __init__(self, batch: int, k: int, variant: AttnResVariant, clusters: int):
+        reduction = variant.reduction
+        if (reduction is None or reduction.two_shot or variant.ahead or variant.write_idx >= 0
                 or variant.precomputed):
-            raise ValueError(f"fused o_proj tail: {variant=} must read a one-shot ring, write "
-                             "no block, compute its statistics and store none ahead")
-        if publish.two_shot or publish.layout != variant.ring or publish.parity != variant.parity:
-            raise ValueError(f"fused o_proj tail: one-shot publish into the ring's slots; got "
-                             f"{publish=} for ring {variant.ring}, parity {variant.parity}")
-        self.ranks, self.batch, self.k = ranks, batch, k
-        self.producer = producer.OprojProducer(batch, k, HIDDEN, publish)
+            raise ValueError(f"fused o_proj tail: {variant=} must complete a one-shot "
+                             "reduction, write no block, compute its statistics and store "
+                             "none ahead")
+        if clusters < 1:
+            raise ValueError(f"fused o_proj tail: clusters={clusters} must be >= 1")
+        self.ranks, self.batch, self.k = reduction.ranks, batch, k
+        self.producer = producer.OprojProducer(batch, k, HIDDEN,
+                                               Publish(reduction.spec, False), self.ranks)
         self.consumer = attn_res_kernels.AttnResKernel(variant)
+        self.layout = reduction.spec.layout
+        items = self.ranks * (PRODUCER_CTAS // CLUSTER + batch)  # in clusters
+        self.clusters = min(clusters, items)
+        if self.smem_bytes > SMEM_PER_CTA:  # `residency` counts MIN_CTAS_PER_SM per SM
+            raise ValueError(f"fused o_proj tail: {self.smem_bytes} bytes of shared memory "
+                             f"per CTA exceed {SMEM_PER_CTA} ({MIN_CTAS_PER_SM} CTAs per SM)")
 
     @property
     def smem_bytes(self) -> int:
         """Both roles' shared memory: the DSL lays out every allocation of the kernel, of
-        either branch, one after the other (taking the larger one overflowed: illegal address
+        either role, one after the other (taking the larger one overflowed: illegal address
         on the H200)."""
         return self.producer.smem_bytes + attn_res_kernels._smem_bytes(2, self.consumer.exchanged)
-
-    @property
-    def grid(self) -> list:
-        return [CLUSTER, self.ranks * (PRODUCER_CLUSTERS + self.batch), 1]
 
     @cute.jit
     def __call__(self, stream, x: cute.Tensor, w: cute.Tensor, prefix: cute.Tensor,
@@ -65,9 +77,10 @@ class OprojAttnResFused:
         self.kernel(x, w, vectors(prefix), vectors(blocks), vectors(res_norm_w),
                     vectors(res_proj_w),
                     vectors(out_norm_w) if cutlass.const_expr(out_norm_w is not None) else None,
-                    table, ranks, out, new_prefix).launch(
-            grid=self.grid, block=[producer.WARPS * WARP, 1, 1], cluster=[CLUSTER, 1, 1],
-            smem=self.smem_bytes, stream=stream, min_blocks_per_mp=MIN_CTAS_PER_SM,
+                    table, ranks, vectors(out), vectors(new_prefix)).launch(
+            grid=[CLUSTER, self.clusters, 1], block=[THREADS_PER_CTA, 1, 1],
+            cluster=[CLUSTER, 1, 1], smem=self.smem_bytes, stream=stream,
+            min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1)  # -1: the default carveout (and no device query)
 
     @cute.kernel
@@ -77,31 +90,22 @@ class OprojAttnResFused:
                new_prefix: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         cta, cluster, _ = cute.arch.block_idx()
-        b, k = self.batch, self.k
-        producing = self.ranks * PRODUCER_CLUSTERS
-        if cluster < producing:  # 1. producer: every thread (the GEMM has CTA barriers)
-            i = cluster // PRODUCER_CLUSTERS
-            block = (cluster - i * PRODUCER_CLUSTERS) * CLUSTER + cta
-            x_i = cute.make_tensor(x.iterator + i * (b * k), cute.make_layout((b, k),
-                                                                              stride=(k, 1)))
-            w_i = cute.make_tensor(w.iterator + i * (HIDDEN * k),
-                                   cute.make_layout((HIDDEN, k), stride=(k, 1)))
-            rank_i = cute.make_tensor(ranks.iterator + i, cute.make_layout(1))
-            self.producer.rows(tidx, block, x_i, w_i, table, rank_i, None)
-        else:  # 2. consumer: THREADS threads per CTA; the other warps exit here
-            item = cluster - producing
-            i = item // b
-            row = item - i * b
-            if tidx < THREADS:
-                rows = cute.make_layout((b, HIDDEN), stride=(HIDDEN, 1))
-                out_i = cute.make_tensor(out.iterator + i * (b * HIDDEN), rows)
-                prefix_i = cute.make_tensor(new_prefix.iterator + i * (b * HIDDEN), rows)
-                rank_i = cute.make_tensor(ranks.iterator + i, cute.make_layout(1))
-                self.consumer.row(tidx, cta, row, prefix, None, blocks, None, None, res_norm_w,
-                                  res_proj_w, out_norm_w, None, None, table, rank_i,
-                                  vectors(out_i), vectors(prefix_i), None, None)
+        ctas = CLUSTER * self.clusters
+        # 1. producer items: every thread (the GEMM has CTA barriers)
+        for item in cutlass.range(cluster * CLUSTER + cta, self.ranks * PRODUCER_CTAS, ctas):
+            i = item // PRODUCER_CTAS
+            x_i, w_i = self.producer.rank_operands(x, w, i)
+            self.producer.rows(tidx, item - i * PRODUCER_CTAS, x_i, w_i, table, ranks[i], None)
+        # 2. consumer rows: THREADS threads per CTA; the other warps exit here
+        if tidx < THREADS:
+            for row in cutlass.range(cluster, self.ranks * self.batch, self.clusters):
+                self.consumer.row(tidx, cta, row, self.batch, prefix, None, blocks, None, None,
+                                  res_norm_w, res_proj_w, out_norm_w, None, None, table, ranks,
+                                  out, new_prefix, None, None)
+            if tidx == 0:  # the items' barriers: every thread has read the control words
+                finish_call(table, ranks, self.ranks, self.layout)
 
 
 @functools.cache
-def fused_kernel(ranks, batch, k, publish, variant):
-    return OprojAttnResFused(ranks, batch, k, publish, variant)
+def fused_kernel(batch, k, variant, clusters):
+    return OprojAttnResFused(batch, k, variant, clusters)

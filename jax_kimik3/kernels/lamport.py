@@ -1,34 +1,27 @@
-"""Lamport all-reduce over peer mailboxes (sm_90a): one-shot and two-shot kernels.
+"""Lamport all-reduce over peer mailboxes (sm_90a): publish, two-shot owner and consumer
+kernels, and `AllReduce`, the one call that launches them for R ranks.
 
-Rank r of T, rows [B, H] bf16, at the layer's parity (`jax_kimik3.mailbox` has the layout):
+Ranks `ranks` [R] of T, rows [R, B, H] bf16 (docs/protocol.md has the protocol; the mailbox
+module the layout). Every kernel first reads its rank's control words: the call counter picks
+the buffer (calls % 2), FAILED set means the mailbox gave up earlier (no waits, NaN out).
 One-shot
-1. producer: r's rows, each bf16 -0 rewritten to +0, go to slot r of every rank's mailbox
-   (with a multicast mailbox: one multimem store that lands in all of them);
-2. consumer: r polls its T slots (volatile loads, raw-bit compares with SENTINEL) until every
-   word has landed, sums the slots in rank order in fp32 (so every rank gets bitwise-identical
-   rows), rounds to bf16 and re-arms the slots.
+1. publish: r's rows, each bf16 -0 rewritten to +0, go to slot r of every rank's mailbox
+   (multicast: one multimem store lands in all of them), after a system-scope fence;
+2. consume: r polls its T slots (strong loads, raw-bit compares with SENTINEL) until every
+   word has landed, sums the slots in rank order in fp32 (every rank gets bitwise-identical
+   rows), rounds to bf16, re-arms the slots; the last CTA advances the call counters.
 Two-shot (each GPU receives ~2·B·H·2 bytes instead of T·B·H·2)
-1. producer: column chunk c (H/T columns) of r's rows goes to slot r of owner c's receive region;
+1. publish: column chunk c (H/T columns) of r's rows goes to slot r of owner c's receive region;
 2. owner: r polls its T receive slots, sums them in rank order, rounds, and writes its reduced
    chunk into every rank's gather region (multicast: once); then re-arms its receive slots;
-3. consumer: r polls its gather region (one slot per chunk owner's columns), copies, re-arms.
-
-Why two parities suffice: layer i uses parity i % 2. Rank r re-arms layer L's slots (its
-consumer of L) before it publishes layer L+1, and no peer can publish layer L+2, the next user
-of L's parity, before it has consumed layer L+1, which needs r's L+1 rows. So L+2's rows never
-land before L's re-arm. Separate kernels on one stream get "re-arm before the next publish"
-from the kernel boundary; a fused producer+consumer kernel must put a `fence.acq_rel.sys`
-between its re-arm stores and its next publish, or a peer may see the publish first and its
-L+2 rows be overwritten by a late re-arm. The argument needs the parities to alternate from
-one all-reduce to the next: after the last layer of a step with an odd layer count, layer 0
-of the next step reuses parity 0, so the ranks must be ordered in between (a host sync on the
-step's output, or any collective) or a fast rank's rows replace ones a peer has not read.
-
-A consumer or owner that waits longer than `max_spins` polls on one word (a peer that never
-publishes) sets its rank's status word and finishes with wrong rows: `Mailbox.check()` raises
-it as a TimeoutError. Nothing spins forever.
-Kernels take the peer table (uint32 [T, 2]) and the rank (int32 [1]) as inputs, and return or
-take int32 tokens that order them in XLA (they share memory XLA does not see).
+3. consume: r polls its gather region (one slot per chunk owner's columns), copies, re-arms.
+A wait that gives up (`primitives.poll`) writes NaN where it found no rows (the owner sends
+NaN to every gather, so no consumer waits on it), records the timeout and marks every rank of
+the mailbox failed: `Mailbox.check()` raises it. Nothing spins forever.
+`AllReduce` launches the kernels of one call back to back on the call's stream, as one XLA
+custom call: no other mailbox call can run between them. R = 1 is a mesh rank (its index from
+`axis_index`); R = T is virtual TP (every rank on one GPU: every publish, then every owner,
+then every consumer).
 """
 
 from __future__ import annotations
@@ -39,16 +32,19 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, address_of, f32_to_words,
-                                           load_words, multicast_words, poll, poll_sum, rearm,
+from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, address_of, call_of,
+                                           f32_to_words, fence_system, finish_call, load_words,
+                                           multicast_words, poison_words, poll, poll_sum, rearm,
                                            store_words, without_negative_zero)
-from jax_kimik3.mailbox import SENTINEL, MailboxLayout
+from jax_kimik3.mailbox import SENTINEL, MailboxLayout, MailboxSpec
 
-THREADS = 128
+THREADS = 128  # per CTA of the flat lamport kernels
+CONSUMER, OWNER = 1, 2  # WAITERS codes (jax_kimik3.mailbox)
 
 
 def _item(nvec):
-    """(row, vector) of this thread in a flat [rows, nvec] grid."""
+    """(item, row, vector) of this thread in a flat [rows, nvec] grid (rows: R·B); the
+    last CTA's items past the end are the caller's to skip."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     item = bidx * THREADS + tidx
@@ -56,8 +52,8 @@ def _item(nvec):
     return item, row, item - row * nvec
 
 
-def _grid(batch, nvec):
-    return [(batch * nvec + THREADS - 1) // THREADS, 1, 1]
+def _grid(rows, nvec):
+    return [(rows * nvec + THREADS - 1) // THREADS, 1, 1]
 
 
 @cute.jit
@@ -69,125 +65,126 @@ def store_everywhere(words, table: cute.Tensor, offset, *, tp: cutlass.Constexpr
         multicast_words(address_of(table, tp) + offset, words)
     else:
         for q in cutlass.range_constexpr(tp):
-            store_words(address_of(table, q) + offset, words)
+            store_words(address_of(table, q) + offset, words, strong=True)
 
 
 @cute.jit
-def publish_words(words, table: cute.Tensor, rank, row, vec, *, layout: cutlass.Constexpr,
-                  parity: cutlass.Constexpr, two_shot: cutlass.Constexpr,
+def publish_words(words, wait, rank, row, vec, *, two_shot: cutlass.Constexpr,
                   multicast: cutlass.Constexpr):
-    """Publish vector `vec` (8 bf16, -0 already rewritten) of rank `rank`'s row `row`:
-    one-shot into slot `rank` of every rank (multicast: one store), two-shot into slot `rank`
-    of the receive region of the owner of the vector's column chunk."""
-    lay = layout
-    if cutlass.const_expr(not two_shot):
-        offset = (Int64(lay.slot(parity, 0)) + Int64(rank) * (lay.capacity * lay.row_bytes)
-                  + Int64(row) * lay.row_bytes + Int64(vec) * VECTOR_BYTES)
-        store_everywhere(words, table, offset, tp=lay.tp, multicast=multicast)
-    else:
-        chunk_vecs, chunk_bytes = lay.chunk // VECTOR, lay.chunk * 2
-        owner = vec // chunk_vecs
-        offset = (Int64(lay.receive(parity, 0)) + Int64(rank) * (lay.capacity * chunk_bytes)
-                  + Int64(row) * chunk_bytes + Int64(vec - owner * chunk_vecs) * VECTOR_BYTES)
-        store_words(address_of(table, owner) + offset, words)
+    """Publish vector `vec` (8 bf16, -0 already rewritten) of rank `rank`'s row `row` in the
+    call of `wait`: one-shot into slot `rank` of every rank (multicast: one store), two-shot
+    into slot `rank` of the receive region of the owner of the vector's column chunk. Nothing
+    on a failed mailbox."""
+    lay = wait.layout
+    if wait.failed == Int32(0):
+        fence_system()  # this rank's re-arms of the last call before this call's rows
+        if cutlass.const_expr(not two_shot):
+            offset = (Int64(lay.slot(wait.buffer, rank, row)) + Int64(vec) * VECTOR_BYTES)
+            store_everywhere(words, wait.table, offset, tp=lay.tp, multicast=multicast)
+        else:
+            chunk_vecs = lay.chunk // VECTOR
+            owner = vec // chunk_vecs
+            offset = (Int64(lay.receive(wait.buffer, rank, row))
+                      + Int64(vec - owner * chunk_vecs) * VECTOR_BYTES)
+            store_words(address_of(wait.table, owner) + offset, words, strong=True)
 
 
-class Producer:
-    """Publishes one rank's rows into the mailboxes (one-shot: every rank; two-shot: owners)."""
+class AllReduce:
+    """The all-reduce of R ranks' rows through a mailbox: rows [R·B, H] → out [R·B, H]."""
 
-    def __init__(self, layout: MailboxLayout, parity: int, two_shot: bool, multicast: bool):
-        self.layout, self.parity, self.two_shot, self.multicast = (
-            layout, parity, two_shot, multicast)
+    def __init__(self, spec: MailboxSpec, ranks: int, two_shot: bool):
+        self.spec, self.ranks, self.two_shot = spec, ranks, two_shot
+        self.layout: MailboxLayout = spec.layout
 
     @cute.jit
-    def __call__(self, stream, rows: cute.Tensor, table: cute.Tensor, rank: cute.Tensor,
-                 after: cute.Tensor, token: cute.Tensor):
-        batch = cute.size(rows, mode=[0])
-        nvec = self.layout.hidden // VECTOR
-        self.kernel(rows, table, rank, token, batch).launch(
-            grid=_grid(batch, nvec), block=[THREADS, 1, 1], stream=stream)
+    def __call__(self, stream, rows: cute.Tensor, table: cute.Tensor, ranks: cute.Tensor,
+                 out: cute.Tensor):
+        batch = cute.size(rows, mode=[0]) // self.ranks
+        self.launch_publish(stream, rows, table, ranks, batch)
+        self.launch_owner(stream, table, ranks, batch)
+        self.consume(table, ranks, out, batch).launch(
+            grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR), block=[THREADS, 1, 1],
+            stream=stream)
+
+    @cute.jit
+    def launch_publish(self, stream, rows: cute.Tensor, table: cute.Tensor, ranks: cute.Tensor,
+                       batch):
+        """The publish kernel of rows [R·B, H] (the tail of XLA's dot launches it too)."""
+        self.publish(rows, table, ranks, batch).launch(
+            grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR), block=[THREADS, 1, 1],
+            stream=stream)
+
+    @cute.jit
+    def launch_owner(self, stream, table: cute.Tensor, ranks: cute.Tensor, batch):
+        """Two-shot only: the owner kernel, between the publish and the consumer (this
+        call's or, in kernels/tail.py, an AttnRes kernel)."""
+        if cutlass.const_expr(self.two_shot):
+            self.reduce_chunk(table, ranks, batch).launch(
+                grid=_grid(self.ranks * batch, self.layout.chunk // VECTOR),
+                block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, rows: cute.Tensor, table: cute.Tensor, rank_t: cute.Tensor,
-               token: cute.Tensor, batch: Int32):
+    def publish(self, rows: cute.Tensor, table: cute.Tensor, ranks: cute.Tensor, batch: Int32):
         lay = self.layout
-        item, row, vec = _item(lay.hidden // VECTOR)
-        if row < batch:
-            rank = rank_t[0]
+        _, row, vec = _item(lay.hidden // VECTOR)
+        if row < self.ranks * batch:
+            i = row // batch
+            wait = call_of(table, ranks[i], lay, self.spec.timeout_ns)
             source = (Int64(rows.iterator.toint()) + Int64(row) * lay.row_bytes
                       + Int64(vec) * VECTOR_BYTES)
-            publish_words(without_negative_zero(load_words(source)), table, rank, row, vec,
-                          layout=lay, parity=self.parity, two_shot=self.two_shot,
-                          multicast=self.multicast)
-        if item == 0:
-            token[0] = Int32(1)
-
-
-class Owner:
-    """Two-shot middle step: sum this rank's receive slots, send the chunk to every gather."""
-
-    def __init__(self, layout: MailboxLayout, parity: int, batch: int, max_spins: int,
-                 multicast: bool):
-        self.layout, self.parity, self.batch, self.max_spins, self.multicast = (
-            layout, parity, batch, max_spins, multicast)
-
-    @cute.jit
-    def __call__(self, stream, table: cute.Tensor, rank: cute.Tensor, deps: cute.Tensor,
-                 token: cute.Tensor):
-        self.kernel(table, rank, token).launch(
-            grid=_grid(self.batch, self.layout.chunk // VECTOR), block=[THREADS, 1, 1],
-            stream=stream)
+            publish_words(without_negative_zero(load_words(source)), wait, ranks[i],
+                          row - i * batch, vec, two_shot=self.two_shot,
+                          multicast=self.spec.multicast)
 
     @cute.kernel
-    def kernel(self, table: cute.Tensor, rank_t: cute.Tensor, token: cute.Tensor):
+    def reduce_chunk(self, table: cute.Tensor, ranks: cute.Tensor, batch: Int32):
+        """Two-shot owner: sum this rank's receive slots, send the chunk to every gather."""
         lay = self.layout
         chunk_vecs, chunk_bytes = lay.chunk // VECTOR, lay.chunk * 2
-        item, row, vec = _item(chunk_vecs)
-        if row < self.batch:
-            rank = rank_t[0]
-            mine = address_of(table, rank)
+        _, item, vec = _item(chunk_vecs)
+        if item < self.ranks * batch:
+            i = item // batch
+            row = item - i * batch
+            rank = ranks[i]
+            wait = call_of(table, rank, lay, self.spec.timeout_ns, OWNER)
             within = Int64(row) * chunk_bytes + Int64(vec) * VECTOR_BYTES
-            slots = [mine + lay.receive(self.parity, q) + within for q in range(lay.tp)]
-            words = without_negative_zero(f32_to_words(
-                poll_sum(slots, self.max_spins, mine + lay.status)))
-            target = (Int64(lay.gather(self.parity, 0)) + Int64(row) * lay.row_bytes
+            slots = [wait.mine + Int64(lay.receive(wait.buffer, q)) + within
+                     for q in range(lay.tp)]
+            acc, ok = poll_sum(slots, list(range(lay.tp)), wait)
+            words = without_negative_zero(f32_to_words(acc))  # NaN where a slot was missing
+            target = (Int64(lay.gather(wait.buffer, row))
                       + (Int64(rank) * chunk_vecs + Int64(vec)) * VECTOR_BYTES)
-            store_everywhere(words, table, target, tp=lay.tp, multicast=self.multicast)
+            fence_system()  # the re-arms of this rank's last call before its gather stores
+            store_everywhere(words, table, target, tp=lay.tp, multicast=self.spec.multicast)
             rearm(slots)
-        if item == 0:
-            token[0] = Int32(1)
-
-
-class Consumer:
-    """Polls this rank's slots (one-shot: T slots; two-shot: the gather region), sums, re-arms."""
-
-    def __init__(self, layout: MailboxLayout, parity: int, two_shot: bool, max_spins: int):
-        self.layout, self.parity, self.two_shot, self.max_spins = (
-            layout, parity, two_shot, max_spins)
-
-    @cute.jit
-    def __call__(self, stream, table: cute.Tensor, rank: cute.Tensor, deps: cute.Tensor,
-                 out: cute.Tensor):
-        batch = cute.size(out, mode=[0])
-        self.kernel(table, rank, out, batch).launch(
-            grid=_grid(batch, self.layout.hidden // VECTOR), block=[THREADS, 1, 1],
-            stream=stream)
 
     @cute.kernel
-    def kernel(self, table: cute.Tensor, rank_t: cute.Tensor, out: cute.Tensor, batch: Int32):
+    def consume(self, table: cute.Tensor, ranks: cute.Tensor, out: cute.Tensor, batch: Int32):
+        """Poll this rank's slots (one-shot: T slots; two-shot: the gather region), sum,
+        re-arm; NaN where a wait gave up. The last CTA advances the call counters."""
         lay = self.layout
-        item, row, vec = _item(lay.hidden // VECTOR)
-        if row < batch:
-            mine = address_of(table, rank_t[0])
+        tidx, _, _ = cute.arch.thread_idx()
+        _, item, vec = _item(lay.hidden // VECTOR)
+        if item < self.ranks * batch:
+            i = item // batch
+            row = item - i * batch
+            wait = call_of(table, ranks[i], lay, self.spec.timeout_ns, CONSUMER)
             within = Int64(row) * lay.row_bytes + Int64(vec) * VECTOR_BYTES
             if cutlass.const_expr(self.two_shot):  # the owners' reduced chunks: a copy
-                slots = [mine + lay.gather(self.parity, 0) + within]
-                words = poll(slots[0], self.max_spins, mine + lay.status)
+                slots = [wait.mine + Int64(lay.gather(wait.buffer)) + within]
+                words, ok = poll(slots[0], wait, vec // (lay.chunk // VECTOR))
+                words = poison_words(words, ok)
             else:
-                slots = [mine + lay.slot(self.parity, q) + within for q in range(lay.tp)]
-                words = f32_to_words(poll_sum(slots, self.max_spins, mine + lay.status))
-            store_words(Int64(out.iterator.toint()) + within, words)
+                slots = [wait.mine + Int64(lay.slot(wait.buffer, q)) + within
+                         for q in range(lay.tp)]
+                acc, ok = poll_sum(slots, list(range(lay.tp)), wait)
+                words = f32_to_words(acc)
+            store_words(Int64(out.iterator.toint()) + Int64(item) * lay.row_bytes
+                        + Int64(vec) * VECTOR_BYTES, words)
             rearm(slots)
+        cute.arch.barrier()  # every thread of the CTA has read the control words
+        if tidx == 0:
+            finish_call(table, ranks, self.ranks, lay)
 
 
 class ArmedCheck:
@@ -204,10 +201,9 @@ class ArmedCheck:
 
     @cute.kernel
     def kernel(self, table: cute.Tensor, count: cute.Tensor):
-        item, rank, vec = _item(self.layout.armed_bytes // VECTOR_BYTES)
+        _, rank, vec = _item(self.layout.armed_bytes // VECTOR_BYTES)
         if rank < self.layout.tp:
-            words = load_words(address_of(table, rank) + Int64(vec) * VECTOR_BYTES,
-                               volatile=True)
+            words = load_words(address_of(table, rank) + Int64(vec) * VECTOR_BYTES, strong=True)
             unarmed = Int32(0)
             for w in words:
                 unarmed = unarmed + Int32(w != Uint32(SENTINEL))
@@ -216,18 +212,8 @@ class ArmedCheck:
 
 
 @functools.cache
-def producer_kernel(layout, parity, two_shot, multicast):
-    return Producer(layout, parity, two_shot, multicast)
-
-
-@functools.cache
-def owner_kernel(layout, parity, batch, max_spins, multicast):
-    return Owner(layout, parity, batch, max_spins, multicast)
-
-
-@functools.cache
-def consumer_kernel(layout, parity, two_shot, max_spins):
-    return Consumer(layout, parity, two_shot, max_spins)
+def all_reduce_kernel(spec, ranks, two_shot):
+    return AllReduce(spec, ranks, two_shot)
 
 
 @functools.cache

@@ -27,11 +27,10 @@ from jax_kimik3 import backend, native
 FACTORIES = {  # family → (module, function) that makes the CuTe DSL kernel object
     "attn_res": ("jax_kimik3.kernels.attn_res", "attn_res_kernel"),
     "statistics": ("jax_kimik3.kernels.attn_res", "statistics_kernel"),
-    "publish": ("jax_kimik3.kernels.lamport", "producer_kernel"),
-    "owner": ("jax_kimik3.kernels.lamport", "owner_kernel"),
-    "consume": ("jax_kimik3.kernels.lamport", "consumer_kernel"),
+    "all_reduce": ("jax_kimik3.kernels.lamport", "all_reduce_kernel"),
     "armed_check": ("jax_kimik3.kernels.lamport", "armed_check_kernel"),
     "oproj": ("jax_kimik3.kernels.producer", "producer_kernel"),
+    "tail": ("jax_kimik3.kernels.tail", "tail_kernel"),
     "fused": ("jax_kimik3.kernels.fused", "fused_kernel"),
 }
 

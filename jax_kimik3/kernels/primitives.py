@@ -1,6 +1,21 @@
-"""Shared CuTe DSL primitives: row vectors, CTA and cluster sums; this module defines no kernel."""
+"""Shared CuTe DSL primitives: row vectors, CTA and cluster sums, the mailbox's memory
+operations, bounded waits and the call counter; this module defines no kernel.
+
+Memory semantics of the mailbox (docs/protocol.md has the argument):
+- every store a peer polls for (publish, the two-shot owner's gather store, re-arm, the
+  FAILED word) is a strong `st.relaxed.sys`; every poll a strong `ld.relaxed.sys`, which
+  re-reads memory each time: no data race in PTX's memory model, no cached copy;
+- a publisher runs `fence.acq_rel.sys` before its first mailbox store of a call: its rank's
+  re-arms of the previous call (earlier kernels of the stream) are ordered before the publish
+  at system scope, and what it observed of its peers' previous rows is acquired first, so no
+  peer can see this call's rows, publish the next call's into a slot this rank still re-arms;
+- control words of this rank (call counter, arrivals) are read and written by this rank's
+  kernels only, ordered by kernel boundaries and GPU-scope atomics.
+"""
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -8,12 +23,12 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_kimik3.mailbox import SENTINEL
+from jax_kimik3.kernels.geometry import VECTOR, VECTOR_BYTES, WARP  # noqa: F401 (re-exported)
+from jax_kimik3.mailbox import CONTROL, SENTINEL
 
 NEG_ZERO_BF16 = 0x8000
-VECTOR = 8  # bf16 elements per thread access ...
-VECTOR_BYTES = 2 * VECTOR  # ... 16 bytes, four 32-bit words
-WARP = 32
+NAN_BF16_PAIR = 0x7FC07FC0  # two bf16 quiet NaNs: OR-ed into a word, it reads as NaN
+NAN_F32 = 0x7FC00000
 
 
 def vectors(tensor: cute.Tensor) -> cute.Tensor:
@@ -96,28 +111,38 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
 # Lamport mailbox words: each helper takes a raw 64-bit global address (peer buffers are
 # reached through the unified address space) and moves four 32-bit words = 8 bf16.
 
+def _asm(result, args, text, constraints, *, effects, loc, ip):
+    return llvm.inline_asm(result, args, text, constraints, has_side_effects=effects,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc,
+                           ip=ip)
+
+
 @dsl_user_op
-def load_words(address: Int64, *, volatile: cutlass.Constexpr[bool] = False, loc=None, ip=None):
-    """16 bytes at `address` as four Uint32. `volatile` (ld.volatile.global): every poll
-    re-reads memory, never a register or L1 copy; the asm has side effects so a polling loop
-    is not hoisted or merged."""
-    opcode = "ld.volatile.global.v4.u32" if volatile else "ld.global.v4.u32"
-    out = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4), [Int64(address).ir_value(loc=loc, ip=ip)],
-        f"{opcode} {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,l", has_side_effects=volatile,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+def load_words(address: Int64, *, strong: cutlass.Constexpr[bool] = False, loc=None, ip=None):
+    """16 bytes at `address` as four Uint32. `strong` (ld.relaxed.sys, a poll): every call
+    re-reads memory, never a register or L1 copy, and is not hoisted or merged."""
+    opcode = "ld.relaxed.sys.global.v4.u32" if strong else "ld.global.v4.u32"
+    out = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(address).ir_value(loc=loc, ip=ip)],
+               f"{opcode} {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,l", effects=strong, loc=loc,
+               ip=ip)
     return [Uint32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def load_word(address: Int64, *, loc=None, ip=None):
+    """The 32-bit word at `address`, strong (ld.relaxed.sys: re-read every time)."""
+    return Uint32(_asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip)],
+                       "ld.relaxed.sys.global.u32 $0, [$1];", "=r,l", effects=True, loc=loc,
+                       ip=ip))
 
 
 @dsl_user_op
 def stream_words(address: Int64, *, loc=None, ip=None):
     """16 read-only bytes at `address` as four Uint32, streamed: a non-coherent load that
     skips L1 and asks L2 for the whole 256-byte line (weights read once per call)."""
-    out = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4), [Int64(address).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    out = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(address).ir_value(loc=loc, ip=ip)],
+               "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
+               "=r,=r,=r,=r,l", effects=False, loc=loc, ip=ip)
     return [Uint32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
@@ -125,52 +150,82 @@ def stream_words(address: Int64, *, loc=None, ip=None):
 def mma_bf16(a, b, c, *, loc=None, ip=None):
     """One warp-wide `mma.sync.m16n8k16` (bf16 in, fp32 accumulate): D = A·B + C with this
     lane's fragments a (4 words), b (2 words), c (4 fp32); returns D's 4 fp32."""
-    out = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [Uint32(w).ir_value(loc=loc, ip=ip) for w in (*a, *b)]
-        + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
-        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    out = _asm(llvm.StructType.get_literal([T.f32()] * 4),
+               [Uint32(w).ir_value(loc=loc, ip=ip) for w in (*a, *b)]
+               + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
+               "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+               "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", effects=False, loc=loc, ip=ip)
     return [Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
 @dsl_user_op
-def store_words(address: Int64, words, *, loc=None, ip=None):
-    """Weak st.global.v4.u32 of four words; a Lamport reader polls every word, so it needs no
-    fence: a word either still holds SENTINEL or holds its final value."""
-    llvm.inline_asm(
-        None, [Int64(address).ir_value(loc=loc, ip=ip)]
-        + [Uint32(w).ir_value(loc=loc, ip=ip) for w in words],
-        "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", has_side_effects=True,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+def store_words(address: Int64, words, *, strong: cutlass.Constexpr[bool] = False, loc=None,
+                ip=None):
+    """st.global.v4 of four words: weak for an ordinary output, `strong` (st.relaxed.sys) for
+    a mailbox word a peer polls. A Lamport reader polls every word, so a publish needs no flag:
+    each word either still holds SENTINEL or holds its final value."""
+    opcode = "st.relaxed.sys.global.v4.b32" if strong else "st.global.v4.b32"
+    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip)]
+         + [Uint32(w).ir_value(loc=loc, ip=ip) for w in words],
+         f"{opcode} [$0], {{$1, $2, $3, $4}};", "l,r,r,r,r", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def multicast_words(address: Int64, words, *, loc=None, ip=None):
     """`multimem.st.relaxed.sys.global.v4.f32` of four words at a multicast address: the same
     16 bytes land in every bound rank's buffer (raw bits; nothing is added)."""
-    llvm.inline_asm(
-        None, [Int64(address).ir_value(loc=loc, ip=ip)]
-        + [Uint32(w).ir_value(loc=loc, ip=ip) for w in words],
-        "multimem.st.relaxed.sys.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
+    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip)]
+         + [Uint32(w).ir_value(loc=loc, ip=ip) for w in words],
+         "multimem.st.relaxed.sys.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
+         effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def store_word(address: Int64, word, *, loc=None, ip=None):
-    """Weak st.global.u32 of one word."""
-    llvm.inline_asm(
-        None, [Int64(address).ir_value(loc=loc, ip=ip), Uint32(word).ir_value(loc=loc, ip=ip)],
-        "st.global.u32 [$0], $1;", "l,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    """Strong st.relaxed.sys.global.u32 of one (control) word."""
+    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Uint32(word).ir_value(loc=loc, ip=ip)],
+         "st.relaxed.sys.global.u32 [$0], $1;", "l,r", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def or_word(address: Int64, bits, *, loc=None, ip=None):
+    """red.relaxed.gpu.global.or.b32: OR `bits` into the word at `address` (no result)."""
+    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Uint32(bits).ir_value(loc=loc, ip=ip)],
+         "red.relaxed.gpu.global.or.b32 [$0], $1;", "l,r", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def add_word(address: Int64, value, *, loc=None, ip=None):
+    """atom.acq_rel.gpu.global.add.u32: add `value` to the word at `address`; its old value."""
+    return Uint32(_asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip),
+                                 Uint32(value).ir_value(loc=loc, ip=ip)],
+                       "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r", effects=True,
+                       loc=loc, ip=ip))
+
+
+@dsl_user_op
+def fence_system(*, loc=None, ip=None):
+    """fence.acq_rel.sys: this thread's earlier memory operations (and, by the kernel
+    boundary, its rank's earlier kernels') are ordered before its later ones at system scope."""
+    _asm(None, [], "fence.acq_rel.sys;", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def global_timer(*, loc=None, ip=None):
+    """The GPU's global nanosecond timer (%globaltimer)."""
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", effects=True, loc=loc,
+                      ip=ip))
 
 
 @dsl_user_op
 def _bits_to_f32(bits, *, loc=None, ip=None):
     return Float32(llvm.bitcast(T.f32(), Uint32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _f32_to_bits(value, *, loc=None, ip=None):
+    return Uint32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
 @cute.jit
@@ -208,6 +263,27 @@ def without_negative_zero(words):
 
 
 @cute.jit
+def poison_words(words, ok):
+    """The four words unchanged where `ok` (Int32 0/1), else NaN bf16 pairs (never SENTINEL)."""
+    mask = (Uint32(1) - Uint32(ok)) * Uint32(NAN_BF16_PAIR)
+    return [w | mask for w in words]
+
+
+@cute.jit
+def poison_f32(values, ok):
+    """The fp32 values unchanged where `ok` (Int32 0/1), else NaN."""
+    mask = (Uint32(1) - Uint32(ok)) * Uint32(NAN_F32)
+    return [_bits_to_f32(_f32_to_bits(v) | mask) for v in values]
+
+
+@cute.jit
+def one_or_nan(ok):
+    """1.0 where `ok` (Int32 0/1), else NaN: a factor that poisons a row, exact otherwise."""
+    return _bits_to_f32(Uint32(0x3F800000) + (Uint32(1) - Uint32(ok))
+                        * Uint32(NAN_F32 - 0x3F800000))
+
+
+@cute.jit
 def is_armed(words):
     """Whether any word still holds SENTINEL (compared as raw bits, never as floats)."""
     armed = words[0] == Uint32(SENTINEL)
@@ -225,33 +301,107 @@ def address_of(table: cute.Tensor, rank):
     return ((high & mask) << Int64(32)) | (low & mask)
 
 
+class Wait(NamedTuple):
+    """One rank's view of a call on its mailbox (`call_of`): where its buffer and control words
+    are, which buffer the call uses, and how its waits end (docs/protocol.md, Timeouts)."""
+
+    table: Any  # the peer table tensor
+    mine: Any  # Int64: this rank's buffer
+    call: Any  # Uint32: CALLS at the call's start; the call uses buffer call % 2
+    failed: Any  # Int32: FAILED at the call's start; nonzero: wait for nothing, write NaN
+    layout: Any  # MailboxLayout (static)
+    timeout_ns: int  # static
+    waiter: int  # static: the WAITERS code recorded if this wait gives up
+
+    @property
+    def buffer(self):
+        return Int32(self.call & Uint32(1))
+
+    @property
+    def control(self):
+        return self.mine + Int64(self.layout.control)
+
+
 @cute.jit
-def poll(address: Int64, max_spins: cutlass.Constexpr, status: Int64):
-    """The four words at `address` once none holds SENTINEL. A bounded spin: after
-    `max_spins` re-reads it stores 1 to the `status` word and returns what it has."""
-    w0, w1, w2, w3 = load_words(address, volatile=True)
+def call_of(table: cute.Tensor, rank, layout: cutlass.Constexpr, timeout_ns: cutlass.Constexpr,
+            waiter: cutlass.Constexpr = 0):
+    """Rank `rank`'s Wait for the running call: its control words read once (CALLS, FAILED)."""
+    mine = address_of(table, rank)
+    words = load_words(mine + Int64(layout.control), strong=True)
+    return Wait(table, mine, words[CONTROL.CALLS], Int32(words[CONTROL.FAILED]), layout,
+                timeout_ns, waiter)
+
+
+@cute.jit
+def give_up(wait, peer):
+    """Record that this rank's wait for rows of rank `peer` timed out, and mark every rank of
+    the mailbox failed (their later waits stop, their kernels write NaN until a host re-arm)."""
+    lay = wait.layout
+    or_word(wait.mine + Int64(lay.word(CONTROL.MISSING)), Uint32(1) << Uint32(peer))
+    store_word(wait.mine + Int64(lay.word(CONTROL.TIMED_OUT)), wait.call + Uint32(1))
+    store_word(wait.mine + Int64(lay.word(CONTROL.WAITER)), Uint32(wait.waiter))
+    for q in cutlass.range_constexpr(lay.tp):
+        store_word(address_of(wait.table, q) + Int64(lay.word(CONTROL.FAILED)), Uint32(1))
+
+
+@cute.jit
+def poll(address: Int64, wait, peer):
+    """(four words, ok): the 16 bytes at `address` once none holds SENTINEL, polled with
+    strong loads. A bounded wait: it stops when `wait.timeout_ns` have passed (the global
+    timer; then it records the timeout, `give_up`) or when the mailbox is marked failed
+    (checked every 16 polls). `ok` (Int32 1) only if the words landed in a call that started
+    on a healthy mailbox; otherwise the caller writes NaN, never these words."""
+    w0, w1, w2, w3 = load_words(address, strong=True)
+    stop = wait.failed
+    start = global_timer()
     spins = Int32(0)
-    while is_armed([w0, w1, w2, w3]) & (spins < max_spins):
-        w0, w1, w2, w3 = load_words(address, volatile=True)
+    while is_armed([w0, w1, w2, w3]) & (stop == Int32(0)):
+        w0, w1, w2, w3 = load_words(address, strong=True)
         spins = spins + 1
-    if spins >= max_spins:
-        store_word(status, Uint32(1))
-    return [w0, w1, w2, w3]
+        if (spins & Int32(15)) == Int32(0):
+            if global_timer() - start > Int64(wait.timeout_ns):
+                stop = Int32(1)
+            if load_word(wait.control + Int64(4 * CONTROL.FAILED)) != Uint32(0):
+                stop = Int32(2)  # another rank gave up: stop, but record nothing
+    landed = Int32(1) - Int32(is_armed([w0, w1, w2, w3]))
+    if (stop == Int32(1)) & (landed == Int32(0)):
+        give_up(wait, peer)
+    return [w0, w1, w2, w3], landed * Int32(wait.failed == Int32(0))
 
 
 @cute.jit
-def poll_sum(slots: list, max_spins: cutlass.Constexpr, status: Int64):
-    """Eight fp32: the bf16 rows at the `slots` addresses summed in list (rank) order, each
-    polled until it has landed (`poll`), so every reader of the same slots gets the same bits."""
-    acc = words_to_f32(poll(slots[0], max_spins, status))
-    for slot in slots[1:]:
-        values = words_to_f32(poll(slot, max_spins, status))
+def poll_sum(slots: list, peers: list, wait):
+    """(eight fp32, ok): the bf16 rows at the `slots` addresses (published by ranks `peers`)
+    summed in list (rank) order, each polled until it has landed (`poll`), so every reader of
+    the same slots gets the same bits; NaN where any slot did not land (`ok` 0)."""
+    words, ok = poll(slots[0], wait, peers[0])
+    acc = words_to_f32(words)
+    for i in cutlass.range_constexpr(1, len(slots)):
+        words, landed = poll(slots[i], wait, peers[i])
+        ok = ok * landed
+        values = words_to_f32(words)
         acc = [a + v for a, v in zip(acc, values)]
-    return acc
+    return poison_f32(acc, ok), ok
 
 
 @cute.jit
 def rearm(slots: list):
-    """Write SENTINEL over the 16 bytes at each of the `slots` addresses."""
+    """Write SENTINEL over the 16 bytes at each of the `slots` addresses (strong stores)."""
     for slot in slots:
-        store_words(slot, [Uint32(SENTINEL)] * 4)
+        store_words(slot, [Uint32(SENTINEL)] * 4, strong=True)
+
+
+@cute.jit
+def finish_call(table: cute.Tensor, ranks: cute.Tensor, count: cutlass.Constexpr,
+                layout: cutlass.Constexpr):
+    """Called once per CTA of a call's last kernel, by one thread, after every thread of its
+    CTA has read the control words: the last CTA to arrive (ARRIVALS of the launch's first
+    rank) advances the call counter of each of the launch's `count` ranks, so the next call on
+    them uses the other buffer."""
+    gx, gy, gz = cute.arch.grid_dim()
+    first = address_of(table, ranks[0]) + Int64(layout.word(CONTROL.ARRIVALS))
+    if add_word(first, Uint32(1)) == Uint32(gx * gy * gz - 1):
+        store_word(first, Uint32(0))
+        for i in cutlass.range_constexpr(count):
+            calls = address_of(table, ranks[i]) + Int64(layout.word(CONTROL.CALLS))
+            store_word(calls, load_word(calls) + Uint32(1))

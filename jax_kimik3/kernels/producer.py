@@ -1,8 +1,8 @@
-"""The o_proj producer (sm_90a): this rank's rows bf16(x @ w.T), ending in the Lamport publish.
+"""The o_proj producer (sm_90a): R ranks' rows bf16(x @ w.T), ending in the Lamport publish.
 
-x [B, K] bf16 (B <= 64, K = 12288/TP), w [N, K] bf16 with N = 7168: weight streaming, so
-the kernel's job is to read w once at copy bandwidth. One CTA owns 16 rows of w (N/16 = 448
-CTAs, all resident at once); its WARPS warps split K and each runs `mma.sync.m16n8k16` with
+x [R, B, K] bf16 (B <= 64, K = 12288/TP), w [R, N, K] bf16 with N = 7168: weight streaming,
+so the kernel's job is to read w once at read bandwidth. One CTA owns 16 rows of one rank's w
+(R·N/16 CTAs; 448 per rank); its WARPS warps split K and each runs `mma.sync.m16n8k16` with
 w's 16 rows as A and x as B, one 8-column B tile per 8 tokens:
 - any bijection of k is a valid reduction order, as long as A and B use the same one, so lane
   (g, t) (g = lane / 4, t = lane % 4) loads 16 contiguous bytes of rows g and g + 8 of w and of
@@ -10,7 +10,9 @@ w's 16 rows as A and x as B, one 8-column B tile per 8 tokens:
   the next: every load is a full 16-byte vector, 64 contiguous bytes per row per 4 lanes;
 - a lane's accumulator (n0 + g [+8], token 8j + 2t [+1]) goes to shared memory; the warps'
   partial sums are added in warp order (deterministic), rounded to bf16, and leave as 16-byte
-  vectors: into a plain [B, N] output, or published into the mailbox (lamport.publish_words).
+  vectors: into a plain [B, N] output, or published into the mailbox (lamport.publish_words)
+  at the buffer of the rank's call, read from its control words before the GEMM (so the read
+  hides under the weight stream); nothing is published on a failed mailbox.
 Token rows past B read row B - 1 (no branch in the loop) and are never stored.
 """
 
@@ -23,28 +25,31 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from jax_kimik3.config import KIMI_K3
+from jax_kimik3.kernels.geometry import PRODUCER_WARPS as WARPS
+from jax_kimik3.kernels.geometry import ROWS
 from jax_kimik3.kernels.lamport import publish_words
-from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, f32_to_words, load_words,
-                                           mma_bf16, stream_words, store_words,
+from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, call_of, f32_to_words,
+                                           load_words, mma_bf16, stream_words, store_words,
                                            without_negative_zero)
 from jax_kimik3.kernels.producer_ops import Publish
 
-ROWS = 16  # rows of w per CTA: the mma's M
 TOKENS = 8  # tokens per B tile: the mma's N
-WARPS = 8  # warps per CTA, each over K / WARPS
 STEP = 4 * VECTOR  # k per warp step: 4 lanes x 16 bytes, two mma k-blocks
 UNROLL = 6  # warp steps in flight
 MAX_BATCH = KIMI_K3.mailbox_capacity  # decode rows per rank: at most 8 B tiles of accumulators
 
 
 class OprojProducer:
-    """bf16(x @ w.T) for one (B, K, N); rows out ([B, N]) or published (`publish`)."""
+    """bf16(x @ w.T) for R ranks at one (B, K, N); rows out ([B, N], R = 1) or published."""
 
-    def __init__(self, batch: int, k: int, n: int, publish: Publish | None):
+    def __init__(self, batch: int, k: int, n: int, publish: Publish | None, ranks: int = 1):
         if k % (WARPS * STEP) or n % ROWS or not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"o_proj producer: K={k} must be a multiple of {WARPS * STEP}, "
                              f"N={n} of {ROWS}, and B={batch} in [1, {MAX_BATCH}]")
-        self.batch, self.k, self.n, self.publish = batch, k, n, publish
+        if publish is None and ranks != 1:
+            raise ValueError(f"o_proj producer: ranks={ranks} without a publish; one rank "
+                             "writes a plain output")
+        self.batch, self.k, self.n, self.publish, self.ranks = batch, k, n, publish, ranks
         self.tiles = (batch + TOKENS - 1) // TOKENS
 
     @property
@@ -52,27 +57,50 @@ class OprojProducer:
         """Each warp's accumulators, then the CTA's [tiles·8, 16] fp32 tile."""
         return 4 * (WARPS + 1) * self.tiles * TOKENS * ROWS + 64
 
+    @property
+    def ctas_per_rank(self) -> int:
+        return self.n // ROWS
+
     @cute.jit
-    def __call__(self, stream, x: cute.Tensor, w: cute.Tensor, table, rank, after,
-                 out: cute.Tensor):
-        self.kernel(x, w, table, rank, out).launch(
-            grid=[self.n // ROWS, 1, 1], block=[WARPS * WARP, 1, 1], smem=self.smem_bytes,
+    def __call__(self, stream, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor):
+        """The plain product: x [B, K], w [N, K] → out [B, N]."""
+        self.kernel(x, w, None, None, out).launch(
+            grid=[self.ctas_per_rank, 1, 1], block=[WARPS * WARP, 1, 1], smem=self.smem_bytes,
             stream=stream)
 
+    @cute.jit
+    def launch(self, stream, x: cute.Tensor, w: cute.Tensor, table: cute.Tensor,
+               ranks: cute.Tensor):
+        """The publishing producer of every rank of `ranks` (x [R·B, K], w [R·N, K])."""
+        self.kernel(x, w, table, ranks, None).launch(
+            grid=[self.ranks * self.ctas_per_rank, 1, 1], block=[WARPS * WARP, 1, 1],
+            smem=self.smem_bytes, stream=stream)
+
     @cute.kernel
-    def kernel(self, x: cute.Tensor, w: cute.Tensor, table, rank_t, out: cute.Tensor):
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, table, ranks, out):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
-        self.rows(tidx, block, x, w, table, rank_t, out)
-        if cutlass.const_expr(self.publish is not None):
-            if tidx + block == 0:
-                out[0] = Int32(1)
+        i = block // self.ctas_per_rank
+        x_i, w_i = self.rank_operands(x, w, i)
+        self.rows(tidx, block - i * self.ctas_per_rank, x_i, w_i, table,
+                  None if cutlass.const_expr(ranks is None) else ranks[i], out)
 
     @cute.jit
-    def rows(self, tidx, block, x: cute.Tensor, w: cute.Tensor, table, rank_t, out):
-        """CTA `block`'s 16 rows of w: the GEMM, the in-order warp sum, and the store into
-        `out` [B, N] or the publish (`rank_t[0]`: this rank). Every thread of the CTA's
-        WARPS warps calls it (it has CTA barriers); the fused tail kernel calls it too."""
+    def rank_operands(self, x: cute.Tensor, w: cute.Tensor, i):
+        """Rank i's x [B, K] and w [N, K] inside the stacked x [R·B, K] and w [R·N, K]."""
+        b, k, n = self.batch, self.k, self.n
+        x_i = cute.make_tensor(x.iterator + i * (b * k), cute.make_layout((b, k), stride=(k, 1)))
+        w_i = cute.make_tensor(w.iterator + i * (n * k), cute.make_layout((n, k), stride=(k, 1)))
+        return x_i, w_i
+
+    @cute.jit
+    def rows(self, tidx, block, x: cute.Tensor, w: cute.Tensor, table, rank, out):
+        """CTA `block`'s 16 rows of one rank's w: the GEMM, the in-order warp sum, and the
+        store into `out` [B, N] or the publish as rank `rank` of the mailbox. Every thread of
+        the CTA's WARPS warps calls it (it has CTA barriers); the fused tail kernel too."""
+        wait = None
+        if cutlass.const_expr(self.publish is not None):  # read now: hidden by the GEMM
+            wait = call_of(table, rank, self.publish.spec.layout, self.publish.spec.timeout_ns)
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         g, t = lane // 4, lane % 4
         tiles, k = self.tiles, self.k
@@ -125,12 +153,12 @@ class OprojProducer:
                 store_words(Int64(out.iterator.toint()) + Int64(token) * (self.n * 2)
                             + Int64(vec) * VECTOR_BYTES, words)
             else:
-                p = self.publish
-                publish_words(without_negative_zero(words), table, rank_t[0], token, vec,
-                              layout=p.layout, parity=p.parity, two_shot=p.two_shot,
-                              multicast=p.multicast)
+                publish_words(without_negative_zero(words), wait, rank, token, vec,
+                              two_shot=self.publish.two_shot,
+                              multicast=self.publish.spec.multicast)
 
 
 @functools.cache
-def producer_kernel(batch, k, n, publish):
-    return OprojProducer(batch, k, n, publish)
+def producer_kernel(batch, k, n):
+    """The plain product bf16(x @ w.T) [B, N] (no mailbox)."""
+    return OprojProducer(batch, k, n, None)

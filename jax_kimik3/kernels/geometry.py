@@ -1,0 +1,17 @@
+"""Thread and vector geometry of the kernels, named once; imports no part of the CuTe DSL (the
+kernel calls in jax.jit size their launches from it too)."""
+
+from jax_kimik3.config import KIMI_K3
+
+VECTOR = 8  # bf16 elements per thread access ...
+VECTOR_BYTES = 2 * VECTOR  # ... 16 bytes, four 32-bit words
+WARP = 32
+CLUSTER = 7  # CTAs per AttnRes cluster: one token row of H columns
+THREADS = KIMI_K3.hidden_size // (CLUSTER * VECTOR)  # 128 per AttnRes CTA, a vector each
+ROWS = 16  # rows of w per o_proj producer CTA: the mma's M
+PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
+FUSED_CTAS_PER_SM = 4  # the fused tail's register cap (.minnctapersm): <= 64 registers
+
+if CLUSTER * THREADS * VECTOR != KIMI_K3.hidden_size or THREADS % WARP:
+    raise ValueError(f"hidden_size={KIMI_K3.hidden_size} must be CLUSTER={CLUSTER} x whole "
+                     f"warps of {VECTOR}-element vectors")
