@@ -6,7 +6,7 @@ oproj (one GPU): the o_proj producer kernel (`kernels.producer_ops.project`) aga
 tail (a TP mesh of every local GPU): the kernel tail (`oproj_attn_res` with a mailbox:
   producer + AttnRes consumer) against the XLA reference (dot + psum + reference AttnRes),
   and on several GPUs the reference with XLA's one-shot all-reduce kernel (a child process,
-  as in bench_all_reduce.py). Each timed call runs two layers (parity 0, then 1) with their
+  as in bench_all_reduce.py). Each timed call runs two layers (two mailbox calls) with their
   own o_proj weights; the AttnRes is a delta layer over K = 8 saved blocks.
 tail --variants fused,split[,xla,two_shot]: the kernel tail's variants side by side, per (TP, B), with
   the choice of `tuning.TAIL_VARIANTS` beside them (the numbers that table wants): on several
@@ -113,15 +113,14 @@ def tail_times(args):
 
         def step(carry, layer_inputs, backend):
             def layers(prefix, out, x0, w0, x1, w1):
-                for parity, (x, w) in enumerate(((x0, w0), (x1, w1))):
+                for x, w in ((x0, w0), (x1, w1)):
                     # As in decode, this layer's x waits for the last layer's out (through
                     # attention): XLA cannot run this o_proj early, under the last all-reduce.
                     x = x + 0 * out[:, :1]
                     out, prefix, _ = k3.oproj_attn_res(
                         x, w, prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w,
                         inp.out_norm_w, axis_name="tp", num_blocks=NUM_BLOCKS, has_delta=True,
-                        mailbox=mailbox if backend == "kernel" else None, parity=parity,
-                        backend=backend)
+                        mailbox=mailbox if backend == "kernel" else None, backend=backend)
                 return prefix, out
             return jax.shard_map(layers, mesh=mesh, in_specs=(P(), P()) + (P(None, "tp"),) * 4,
                                  out_specs=(P(), P()))(*carry, *layer_inputs)
@@ -169,19 +168,18 @@ def variant_rows(args):
                     for i in range(args.sets)]
 
             def layers(variant, rank, prefix, out, x0, w0, x1, w1):
-                for parity, (x, w) in enumerate(((x0, w0), (x1, w1))):
+                for x, w in ((x0, w0), (x1, w1)):
                     x = x + 0 * out[..., :1]  # this layer waits for the last one (decode)
                     two_shot = variant == "two_shot"
-                    kw = dict(table=table, layout=mailbox.layout, parity=parity,
-                              num_blocks=NUM_BLOCKS, has_delta=True, eps=1e-5, out_eps=1e-5,
-                              variant="split" if two_shot else variant, two_shot=two_shot)
-                    args_ = (x, w, prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w,
-                             inp.out_norm_w)
-                    if rank is None:
-                        outs, prefixes = oproj.tail_virtual(*args_, **kw)
-                        out, prefix = outs[0], prefixes[0]
-                    else:
-                        out, prefix, _ = oproj.oproj_attn_res(*args_, rank=rank, **kw)
+                    if rank is not None:  # a mesh rank: one rank per launch
+                        x, w = x[None], w[None]
+                    ranks = (jnp.arange(tp, dtype=jnp.int32) if rank is None else rank)
+                    outs, prefixes = oproj.tail(
+                        x, w, prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w,
+                        inp.out_norm_w, table=table, ranks=ranks, spec=mailbox.spec,
+                        num_blocks=NUM_BLOCKS, has_delta=True, eps=1e-5, out_eps=1e-5,
+                        variant="split" if two_shot else variant, two_shot=two_shot)
+                    out, prefix = outs[0], prefixes[0]
                 return prefix, out
 
             def step(carry, layer_inputs, variant):

@@ -6,7 +6,9 @@ post-attention tail `oproj_attn_res` (o_proj + all-reduce + AttnRes), and a stan
 MLP (a fixed random projection H -> H) whose output is the next layer's delta; the final
 AttnRes closes the step. Weights are random. On CPU the mesh is made of host devices and the
 step runs the reference; on GPUs it runs the kernels, the all-reduce through peer mailboxes
-(parity alternating by layer), and `--check` compares its output with the reference step.
+(their buffers alternate with every call, whatever the layer count), and `--check` compares
+its output with the reference step. `--check-every N` reads the mailbox's failure record
+every N steps and stops with what it says (a peer that never came, in which call).
 
     python examples/decode_loop.py --layers 4 --batch 8 --steps 5
 
@@ -23,6 +25,18 @@ import argparse
 import functools
 import os
 import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_kimik3 as k3
+from jax_kimik3.backend import KERNELS_ENV, kernel_mode
+
+CFG = k3.KIMI_K3
+H, K, NB = CFG.hidden_size, CFG.o_proj_in_features, CFG.num_attn_res_blocks
 
 
 def process_seconds() -> float:
@@ -47,30 +61,15 @@ def parse_args(argv=None):
                         help="auto: kernels on a GPU, the reference elsewhere")
     parser.add_argument("--check", action="store_true",
                         help="also run the reference step and compare (kernel runs)")
+    parser.add_argument("--check-every", type=int, default=10, metavar="N",
+                        help="kernel runs: read the mailbox's failure record every N steps "
+                             "(Mailbox.check); 0: only after the last step")
     parser.add_argument("--stats-ahead", action="store_true",
                         help="each post-attention tail also computes the next call site's "
                              "block statistics (bind ahead); that call then reads no block")
     parser.add_argument("--export", metavar="FILE", help="write the kernel step for CUDA, stop")
     parser.add_argument("--load", metavar="FILE", help="run the step exported to FILE")
     return parser.parse_args(argv)
-
-
-ARGS = parse_args()
-# Host devices for a CPU mesh; XLA reads this flag only for the CPU platform.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={ARGS.tp or 8}").strip()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_kimik3 as k3  # noqa: E402
-from jax_kimik3.backend import KERNELS_ENV, kernel_mode  # noqa: E402
-
-CFG = k3.KIMI_K3
-H, K, NB = CFG.hidden_size, CFG.o_proj_in_features, CFG.num_attn_res_blocks
 
 
 def init_params(key, mesh, num_layers, virtual_tp=None):
@@ -175,7 +174,20 @@ def export_step(path, mesh, params, embedding, blocks, num_layers, virtual_tp=No
           f"{len(data) / 2**10:.0f} KiB to {path}")
 
 
-def main(args=ARGS):
+def check_mailbox(mailbox, step):
+    """Mailbox.check after `step` steps: say what the failure record holds, and stop on one."""
+    try:
+        mailbox.check()
+    except TimeoutError as e:
+        raise SystemExit(f"mailbox failed by step {step}: {e}") from None
+    calls = mailbox.calls()
+    print(f"mailbox after step {step}: healthy, {calls[0]} all-reduces per rank since armed")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Host devices for a CPU mesh (read when the CPU backend starts; GPUs ignore it).
+    jax.config.update("jax_num_cpu_devices", args.tp or 8)
     if not 1 <= args.layers <= CFG.num_layers:
         raise ValueError(f"--layers={args.layers} must be in [1, {CFG.num_layers}]")
     tp = args.tp or (1 if args.virtual_tp else len(jax.devices()))
@@ -232,6 +244,8 @@ def main(args=ARGS):
         out.block_until_ready()
         times.append(time.perf_counter() - start)
         outs.append(out)
+        if mailbox is not None and args.check_every and s % args.check_every == 0:
+            check_mailbox(mailbox, s)
     checksum = sum(float(jnp.sum(out.astype(jnp.float32))) for out in outs)
     path = ("exported kernels" if args.load else "kernels") if kernels else "reference"
     ranks = f"TP {args.virtual_tp} (virtual)" if args.virtual_tp else f"TP {tp}"
@@ -240,7 +254,7 @@ def main(args=ARGS):
           f"{args.steps} steps")
     print(f"checksum {checksum:.6e}")
     if mailbox is not None:
-        mailbox.check()
+        check_mailbox(mailbox, args.steps)
         if args.check:
             reference = make_step(mesh, params, args.layers, "reference", None,
                                   virtual_tp=args.virtual_tp)

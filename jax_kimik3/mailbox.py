@@ -63,8 +63,7 @@ class CONTROL:
     WORDS = 8
 
 
-WAITERS = {1: "all-reduce consumer", 2: "two-shot owner", 3: "AttnRes tail consumer",
-           4: "fused tail consumer"}
+WAITERS = {1: "all-reduce consumer", 2: "two-shot owner", 3: "AttnRes tail consumer"}
 
 
 def _align(n, to=_ALIGN):

@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the project, in one call on a device machine:
 #   device run (carry [".device"]):  bash scripts/device_checks.sh [TARGETS] [pytest args]
-# TARGETS: comma-separated, of tests, bench (every benchmark), bench_<name>, decode, startup;
-# all (the default) is every one of those. Extra arguments go to pytest, e.g. -k lamport;
-# $BENCH_ARGS to the benchmarks, e.g. BENCH_ARGS="--parts tail". With several GPUs the
-# mesh tests run and the all-reduce and layer benchmarks use a real TP mesh.
-# They need .device/cutedsl.tar.xz (../shared/device/make-cutedsl-bundle). Logs and results go
-# to $OUT; the last lines printed are a short summary.
+# TARGETS: comma-separated, of tests, bench (every benchmark), bench_<name>, decode, startup,
+# sanitize (compute-sanitizer's memcheck, synccheck, racecheck and initcheck over every kernel
+# family: scripts/sanitize_kernels.py); all (the default) is every one but sanitize. Extra
+# arguments go to pytest, e.g. -k lamport; $BENCH_ARGS to the benchmarks, e.g.
+# BENCH_ARGS="--parts tail". With several GPUs the mesh tests run and the all-reduce and layer
+# benchmarks use a real TP mesh. They need .device/cutedsl.tar.xz (make it with the
+# make-cutedsl-bundle script of the team's device tools; README, "Device checks"). Results go
+# to $OUT (the benchmarks' tables, and details.tgz: every log); the last lines printed are a
+# short summary.
 # The target aot (not in all) runs without the DSL: carry ["build/ffi"] (the kernel library,
 # python -m jax_kimik3.native_build) and not .device; JAX_KIMIK3_KERNELS=aot.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+RESULTS=$OUT; OUT=$OUT/details; mkdir -p "$OUT"  # logs travel back as one archive
+pack() { tar czf "$RESULTS/details.tgz" -C "$RESULTS" details && rm -rf "$RESULTS/details"; }
+trap pack EXIT
 targets=",${1:-all},"
-wants() { [[ $targets == *",all,"* || $targets == *",$1,"* || ($1 == bench_* && $targets == *",bench,"*) ]]; }
+wants() { [[ ($targets == *",all,"* && $1 != sanitize) || $targets == *",$1,"* || ($1 == bench_* && $targets == *",bench,"*) ]]; }
 summary=()
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $targets == *",aot,"* ]]; then
@@ -42,7 +48,7 @@ print(f'{l.path}: {len(l.register())} handlers registered, {l.arch}, DSL {l.dsl}
     grep -E "FAILED|Error" "$OUT"/aot_gpu_tests.log "$OUT"/aot_decode_loop_b*.log | head -n 20
   fi
   targets=${targets//,aot,/,}
-  if [[ $targets == "," ]]; then printf '%s\n' "${summary[@]}"; exit 0; fi
+  if [[ $targets == "," ]]; then printf '%s\n' "${summary[@]}" | tee "$RESULTS/summary.txt"; exit 0; fi
 fi
 mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
@@ -55,6 +61,7 @@ for bench in attn_res all_reduce layer; do
   if wants "bench_$bench"; then
     python3 "examples/bench_$bench.py" --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench_$bench.log" 2>&1
     summary+=("bench_$bench: exit $?")
+    cp "$OUT"/bench_"$bench"*.md "$RESULTS"/ 2>/dev/null
     grep -h -A40 "^|" "$OUT"/bench_"$bench"*.md 2>/dev/null || tail -n 20 "$OUT/bench_$bench.log"
   fi
 done
@@ -80,5 +87,15 @@ if wants startup; then
   summary+=("startup: $(grep -h -E 'startup|decode step|check' "$OUT"/startup_jit.log \
     "$OUT"/startup_exported.log | tr '\n' ' ')")
 fi
+if wants sanitize; then
+  # Each tool over the kernel families it applies to (racecheck: the shared-memory ones).
+  for run in "memcheck:" "synccheck:" "racecheck:--kinds attn_res,statistics,split,fused --batches 8" \
+             "initcheck:--tps 2 --batches 8"; do
+    tool=${run%%:*}
+    compute-sanitizer --tool "$tool" --report-api-errors no --print-limit 20 \
+      python3 scripts/sanitize_kernels.py ${run#*:} > "$OUT/sanitize_$tool.log" 2>&1
+    summary+=("sanitize $tool: exit $? | $(grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1) | $(grep -h 'sanitize_kernels:' "$OUT/sanitize_$tool.log")")
+  done
+fi
 grep -E "FAILED|Error" "$OUT/gpu_tests.log" 2>/dev/null | head -n 20
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$RESULTS/summary.txt"

@@ -1,4 +1,4 @@
-"""Helpers of the CPU tests that lower kernels for CUDA (DESIGN.md §5)."""
+"""Helpers of the CPU tests that lower kernels for CUDA (docs/kernels.md: the kernel bridge)."""
 
 import os
 import subprocess
@@ -30,3 +30,14 @@ def kept_ptx(script, tmp_path, devices=1):
     subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, check=True,
                    timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+
+
+def kernel_calls(f, *args):
+    """The kernel calls (jax_kimik3.kernels.launch.Call) that lowering jit(f) at `args` makes,
+    and the StableHLO text."""
+    from jax_kimik3.kernels import launch
+
+    calls = []
+    with launch.recording(lambda call, fn, inputs: calls.append(call)):
+        text = lower_for_cuda(f, *args)
+    return calls, text

@@ -1,4 +1,4 @@
-"""An independent float64 NumPy model of the attention tail (DESIGN.md §2); imports nothing of jax_kimik3.
+"""An independent float64 NumPy model of the attention tail (docs/model.md); imports nothing of jax_kimik3.
 
 Storage points round to bf16 as the specification says (the prefix add in fp32, each rank's
 published o_proj rows, the all-reduced sum); everything else is float64.
@@ -111,18 +111,25 @@ def assert_bf16_close(actual, expected, what=""):
         f"{np.nanmax(err / bound):.3g} at {np.unravel_index(np.nanargmax(err / bound), err.shape)}")
 
 
-def assert_tail_close(out, prefix, x, w, inp, *, tp, num_blocks, has_delta):
-    """One rank's post-attention tail (out, new prefix) from x [B, K], w [H, K] split over `tp`
-    ranks along K, and AttnResInputs `inp`, against this model."""
+def tail_products(x, w, tp):
+    """(each rank's bf16 o_proj rows, their fp32 error scale) of x [B, K], w [H, K] split over
+    `tp` ranks along K: the expensive part of `assert_tail_close`, to compute once."""
     shards = np.split(np.arange(x.shape[1]), tp)
     x_shards, w_shards = [x[:, s] for s in shards], [w[:, s] for s in shards]
-    partials = oproj_partials(x_shards, w_shards)
+    return oproj_partials(x_shards, w_shards), dot_scale(x_shards, w_shards)
+
+
+def assert_tail_close(out, prefix, x, w, inp, *, tp, num_blocks, has_delta, products=None):
+    """One rank's post-attention tail (out, new prefix) from x [B, K], w [H, K] split over `tp`
+    ranks along K, and AttnResInputs `inp`, against this model (`products`: their
+    `tail_products`, if computed already)."""
+    partials, scale = products or tail_products(x, w, tp)
     attn_out = all_reduce(partials)
     want_prefix = prefix_update(inp.prefix, attn_out) if has_delta else attn_out
     # The package's dots accumulate in fp32 (DOT_RTOL); then each bf16 partial, their sum and
     # the prefix add may each round one ulp away from the float64 path (BF16_RTOL each).
     magnitude = sum(np.abs(f64(p)) for p in partials) + np.abs(f64(want_prefix))
-    bound = 2 * BF16_RTOL * magnitude + DOT_RTOL * dot_scale(x_shards, w_shards)
+    bound = 2 * BF16_RTOL * magnitude + DOT_RTOL * scale
     err = np.abs(f64(prefix) - f64(want_prefix))
     assert (err <= bound).all(), f"attn_out: worst err/bound {np.max(err / bound):.3g}"
     # The AttnRes stage, on the package's own prefix.

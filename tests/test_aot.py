@@ -79,7 +79,7 @@ def test_spec_without_a_peer_table_is_a_value_error():
     P = jax.sharding.PartitionSpec
 
     def lower(**kwargs):
-        f = jax.shard_map(lambda x: k3.all_reduce(x, spec, axis_name="tp", parity=0, **kwargs),
+        f = jax.shard_map(lambda x: k3.all_reduce(x, spec, axis_name="tp", **kwargs),
                           mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
         return jax.jit(f).trace(jax.ShapeDtypeStruct((8, 7168), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",))

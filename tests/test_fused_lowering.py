@@ -1,5 +1,6 @@
-"""CPU: the fused o_proj tail kernel (producer + AttnRes consumer in one launch) compiles for
-sm_90a at every TP, in virtual TP and per mesh rank, and the tail takes the table's variant."""
+"""CPU: the fused o_proj tail kernel (producer + AttnRes consumer in one persistent launch)
+compiles for sm_90a at every TP, in virtual TP and per mesh rank, and the tail takes the
+table's variant."""
 
 import re
 import shutil
@@ -9,46 +10,43 @@ import jax.numpy as jnp
 import pytest
 
 from jax_kimik3 import tuning
-from jax_kimik3.mailbox import MailboxLayout
-from tests.lowering import CUSTOM_CALL, kept_ptx, lower_for_cuda, spec
+from jax_kimik3.config import KIMI_K3
+from jax_kimik3.mailbox import MailboxLayout, MailboxSpec
+from tests.lowering import CUSTOM_CALL, kept_ptx, kernel_calls, spec
 
 pytest.importorskip("cutlass")
-from jax_kimik3.kernels import fused, oproj  # noqa: E402
+from jax_kimik3.kernels import fused, oproj, residency  # noqa: E402
 
-H, K_TOTAL, NB = 7168, 12288, 8
-
-
-def virtual(tp, b, *, num_blocks=4, has_delta=True, out_norm=True, variant="fused"):
-    """The StableHLO of every rank's tail on one GPU at (TP, B)."""
-    def f(x, w, prefix, blocks, g, proj, out_w, table):
-        return oproj.tail_virtual(x, w, prefix, blocks, g, proj, out_w if out_norm else None,
-                                  table=table, layout=MailboxLayout(tp), parity=1,
-                                  num_blocks=num_blocks, has_delta=has_delta, eps=1e-5,
-                                  out_eps=1e-5, variant=variant)
-    return lower_for_cuda(f, spec(tp, b, K_TOTAL // tp), spec(tp, H, K_TOTAL // tp), spec(b, H),
-                          spec(b, NB, H), spec(H), spec(H), spec(H),
-                          spec(tp + 1, 2, dtype=jnp.uint32))
+H, K_TOTAL, NB = KIMI_K3.hidden_size, KIMI_K3.o_proj_in_features, KIMI_K3.num_attn_res_blocks
 
 
-def one_rank(tp, b, variant=None):
-    """The StableHLO of one mesh rank's tail (R = 1 per launch) at (TP, B)."""
-    def f(x, w, prefix, blocks, g, proj, out_w, table, rank):
-        return oproj.oproj_attn_res(x, w, prefix, blocks, g, proj, out_w, table=table, rank=rank,
-                                    layout=MailboxLayout(tp), parity=0, num_blocks=8,
-                                    has_delta=True, eps=1e-5, out_eps=1e-5, variant=variant)
-    return lower_for_cuda(f, spec(b, K_TOTAL // tp), spec(H, K_TOTAL // tp), spec(b, H),
-                          spec(b, NB, H), spec(H), spec(H), spec(H),
-                          spec(tp + 1, 2, dtype=jnp.uint32), spec(1, dtype=jnp.int32))
+def tail(ranks, tp, b, *, num_blocks=4, has_delta=True, out_norm=True, variant=None,
+         two_shot=None):
+    """(kernel calls, StableHLO) of `ranks` ranks' tails (R = 1: one mesh rank; R = TP:
+    virtual TP) at (TP, B)."""
+    def f(x, w, prefix, blocks, g, proj, out_w, table, ids):
+        return oproj.tail(x, w, prefix, blocks, g, proj, out_w if out_norm else None,
+                          table=table, ranks=ids, spec=MailboxSpec(MailboxLayout(tp)),
+                          num_blocks=num_blocks, has_delta=has_delta, eps=1e-5, out_eps=1e-5,
+                          variant=variant, two_shot=two_shot)
+    k = K_TOTAL // tp
+    return kernel_calls(f, spec(ranks, b, k), spec(ranks, H, k), spec(b, H), spec(b, NB, H),
+                        spec(H), spec(H), spec(H), spec(tp + 1, 2, dtype=jnp.uint32),
+                        spec(ranks, dtype=jnp.int32))
 
 
 @pytest.mark.parametrize("b", [1, 2, 5, 8, 9, 16, 64])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
 def test_fused_virtual_is_one_launch(tp, b):
-    """All TP ranks' producers and consumers in one custom call (separate launches on one
-    stream would deadlock: rank r's consumer waits on rank r+1's producer)."""
-    text = virtual(tp, b)
+    """All TP ranks' producers and consumers in one custom call on a grid of co-resident
+    clusters (separate launches on one stream would deadlock: rank r's consumer waits on rank
+    r+1's producer)."""
+    calls, text = tail(tp, tp, b, variant="fused")
     assert len(re.findall(rf"custom_call @{CUSTOM_CALL}", text)) == 1
     assert "dot_general" not in text
+    (call,) = calls
+    assert call.variant.family == "fused"
+    assert call.variant.params[-1] == residency.FALLBACK_CLUSTERS  # no GPU here
 
 
 @pytest.mark.parametrize("num_blocks,has_delta,out_norm", [(1, False, True), (1, True, True),
@@ -56,24 +54,43 @@ def test_fused_virtual_is_one_launch(tp, b):
                                                            (0, False, True)])
 def test_fused_call_sites_lower(num_blocks, has_delta, out_norm):
     """Write layers (a new block, no delta), delta layers, K = 0..8, with and without norm."""
-    assert CUSTOM_CALL in virtual(8, 8, num_blocks=num_blocks, has_delta=has_delta,
-                                  out_norm=out_norm)
+    assert CUSTOM_CALL in tail(8, 8, 8, num_blocks=num_blocks, has_delta=has_delta,
+                               out_norm=out_norm, variant="fused")[1]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
 def test_fused_mesh_rank_is_one_launch(tp):
-    text = one_rank(tp, 8, "fused")
+    _, text = tail(1, tp, 8, variant="fused")
     assert len(re.findall(rf"custom_call @{CUSTOM_CALL}", text)) == 1
+
+
+def test_fused_grid_is_every_co_resident_cluster_it_needs():
+    """The persistent grid: min(co-resident clusters, the work's clusters)."""
+    from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
+    variant = AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5,
+                             Reduction(MailboxSpec(MailboxLayout(8)), ranks=1))
+    assert fused.OprojAttnResFused(4, 1536, variant, 1000).clusters == 448 // 7 + 4
+    assert fused.OprojAttnResFused(4, 1536, variant, 60).clusters == 60
+    many = AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5,
+                          Reduction(MailboxSpec(MailboxLayout(8)), ranks=8))
+    assert fused.OprojAttnResFused(4, 1536, many, 60).clusters == 60
 
 
 @pytest.mark.parametrize("b,tp", [(1, 8), (8, 16), (16, 8), (64, 8), (8, 1), (1, 2), (2, 2)])
 def test_tail_takes_the_table_variant(b, tp):
-    """tuning.tail_variant decides: fused (one call), split (producer + consumer: two calls),
-    xla (dot, publish, consumer); a two-shot all-reduce adds the owner."""
+    """tuning.tail_variant decides: fused (one persistent kernel), split (the tail call with
+    the producer kernel, compiled for B and K), xla (XLA's dot, then the tail call for any B);
+    one custom call in every case, the two-shot owner inside it where the table says so."""
     variant = tuning.tail_variant(b, K_TOTAL // tp)
-    text = one_rank(tp, b)
-    calls = len(re.findall(rf"custom_call @{CUSTOM_CALL}", text))
-    assert calls == {"fused": 1, "split": 2, "xla": 2}[variant] + tuning.use_two_shot(b, tp)
+    calls, text = tail(1, tp, b)
+    assert len(re.findall(rf"custom_call @{CUSTOM_CALL}", text)) == 1
+    (call,) = calls
+    family, params = call.variant.family, call.variant.params
+    assert family == ("fused" if variant == "fused" else "tail")
+    if family == "tail":
+        assert params[:2] == (((b + 7) // 8, K_TOTAL // tp) if variant == "split"
+                              else (None, None))
+        assert params[2].reduction.two_shot == tuning.use_two_shot(b, tp)
     assert ("dot_general" in text) == (variant == "xla")
 
 
@@ -91,39 +108,40 @@ def test_table_is_one_table_of_known_variants():
 
 def test_unknown_variant_is_refused():
     with pytest.raises(ValueError, match=r"variant='two_shot' must be one of"):
-        one_rank(8, 8, "two_shot")
+        tail(1, 8, 8, variant="two_shot")
 
 
 def test_fused_refuses_what_it_does_not_do():
-    from jax_kimik3.kernels.attn_res_ops import AttnResVariant
-    from jax_kimik3.kernels.fused import OprojAttnResFused
-    from jax_kimik3.kernels.producer_ops import Publish
-    layout = MailboxLayout(8)
-    ring = AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5, layout, 0, 10)
-    with pytest.raises(ValueError, match="must read a one-shot ring"):
-        OprojAttnResFused(1, 8, 1536, Publish(layout, 0, False, False),
-                                AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5))
-    with pytest.raises(ValueError, match="one-shot publish into the ring's slots"):
-        OprojAttnResFused(1, 8, 1536, Publish(layout, 1, False, False), ring)
+    from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
+    one_shot = Reduction(MailboxSpec(MailboxLayout(8)))
+    ring = AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5, one_shot)
+    with pytest.raises(ValueError, match="must complete a one-shot reduction"):
+        fused.OprojAttnResFused(8, 1536, AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5), 60)
+    with pytest.raises(ValueError, match="must complete a one-shot reduction"):
+        fused.OprojAttnResFused(8, 1536, AttnResVariant(
+            4, True, -1, True, False, 1e-5, 1e-5, Reduction(one_shot.spec, 1, True)), 60)
     with pytest.raises(ValueError, match="o_proj producer"):
-        OprojAttnResFused(1, 65, 1536, Publish(layout, 0, False, False), ring)
+        fused.OprojAttnResFused(65, 1536, ring, 60)
+    with pytest.raises(ValueError, match="clusters=0 must be >= 1"):
+        fused.OprojAttnResFused(8, 1536, ring, 0)
 
 
 def test_fused_ptx(tmp_path):
     """One sm_90a kernel of 256 threads with the producer's bf16 mma.sync and streamed weight
-    loads, the publish stores into every rank's mailbox, the consumer's volatile polling loads,
-    the cluster barriers and DSMEM stores of AttnRes; at most 64 registers (4 CTAs per SM:
-    .minnctapersm) and, by ptxas where installed, no more than a word or two spilled."""
+    loads, the strong publish stores into every rank's mailbox after a system fence, the
+    consumer's strong polling loads, the cluster barriers and DSMEM stores of AttnRes; at most
+    64 registers (4 CTAs per SM: .minnctapersm) and, by ptxas where installed, no more than a
+    few words spilled."""
     ptx = kept_ptx(f"""
         import jax, jax.numpy as jnp
         from jax_kimik3.kernels import oproj
-        from jax_kimik3.mailbox import MailboxLayout
+        from jax_kimik3.mailbox import MailboxLayout, MailboxSpec
         s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
-        f = lambda x, w, p, bl, g, pw, o, t: oproj.tail_virtual(
-            x, w, p, bl, g, pw, o, table=t, layout=MailboxLayout(4), parity=1, num_blocks=8,
-            has_delta=True, eps=1e-5, out_eps=1e-5, variant="fused")
+        f = lambda x, w, p, bl, g, pw, o, t, r: oproj.tail(
+            x, w, p, bl, g, pw, o, table=t, ranks=r, spec=MailboxSpec(MailboxLayout(4)),
+            num_blocks=8, has_delta=True, eps=1e-5, out_eps=1e-5, variant="fused")
         jax.jit(f).trace(s(4, 8, 3072), s(4, {H}, 3072), s(8, {H}), s(8, {NB}, {H}), s({H}),
-                         s({H}), s({H}), s(5, 2, dtype=jnp.uint32)).lower(
+                         s({H}), s({H}), s(5, 2, dtype=jnp.uint32), s(4, dtype=jnp.int32)).lower(
             lowering_platforms=("cuda",))
     """, tmp_path)
     assert ".target sm_90a" in ptx and ".reqntid 256, 1, 1" in ptx
@@ -131,10 +149,11 @@ def test_fused_ptx(tmp_path):
     assert ptx.count(".entry") == 1
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert "ld.global.nc.L1::no_allocate.L2::256B.v4.u32" in ptx
-    # Publish: one store per rank's mailbox (TP 4); the re-arm, new prefix and out add more.
-    assert ptx.count("st.global.v4.u32") >= 4 + 4
+    assert "fence.acq_rel.sys" in ptx
+    # Publish: one store per rank's mailbox (TP 4), and the re-arms.
+    assert ptx.count("st.relaxed.sys.global.v4.b32") >= 4 + 4
     # Polls: a first load and the loop's load per rank's slot.
-    assert ptx.count("ld.volatile.global.v4.u32") >= 2 * 4
+    assert ptx.count("ld.relaxed.sys.global.v4.u32") >= 2 * 4
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert "st.shared::cluster.f32" in ptx
     if shutil.which("ptxas"):
@@ -144,4 +163,4 @@ def test_fused_ptx(tmp_path):
                               check=True).stderr
         spilled = int(re.search(r"(\d+) bytes spill stores", info).group(1))
         registers = int(re.search(r"Used (\d+) registers", info).group(1))
-        assert spilled <= 16 and registers <= 65536 // (256 * fused.MIN_CTAS_PER_SM), info
+        assert spilled <= 32 and registers <= 65536 // (256 * fused.MIN_CTAS_PER_SM), info

@@ -1,6 +1,8 @@
-"""GPU: the Lamport all-reduce in virtual TP (all ranks on one GPU) against a float64 sum."""
+"""GPU: the Lamport all-reduce in virtual TP (all ranks on one GPU) against a float64 sum, and
+what happens when a peer never comes or comes late (docs/protocol.md, Timeouts)."""
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +14,8 @@ import jax_kimik3 as k3
 from tests import oracle
 
 pytestmark = pytest.mark.gpu
-H = 7168
-SPINS = 1 << 16  # polls before a consumer gives up: tens of ms, enough for launched peers
+H = k3.KIMI_K3.hidden_size
+TIMEOUT_MS = 200.0  # a wait's bound in the failure tests: short, and far above any healthy wait
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,9 +32,8 @@ def mailboxes():
         box.close()
 
 
-def run(partials, mailbox, parity, two_shot):
-    return np.asarray(k3.all_reduce_virtual(jnp.asarray(partials), mailbox, parity=parity,
-                                            two_shot=two_shot, max_spins=SPINS))
+def run(partials, mailbox, two_shot):
+    return np.asarray(k3.all_reduce_virtual(jnp.asarray(partials), mailbox, two_shot=two_shot))
 
 
 def expected(partials):
@@ -68,8 +69,10 @@ def bf16(a):
 def test_virtual_all_reduce(rng, mailboxes, tp, b, two_shot):
     partials = bf16(rng.standard_normal((tp, b, H), np.float32))
     mailbox = mailboxes(tp)
-    for parity in (0, 1):
-        assert_all_reduced(run(partials, mailbox, parity, two_shot), partials, mailbox)
+    before = mailbox.calls()
+    for _ in range(2):  # two calls: the mailbox's two buffers in turn
+        assert_all_reduced(run(partials, mailbox, two_shot), partials, mailbox)
+    assert mailbox.calls() == [c + 2 for c in before]  # every rank's counter, once per call
 
 
 def adversarial(rng, tp, b):
@@ -90,7 +93,7 @@ def test_adversarial_rows(rng, mailboxes, tp, two_shot):
     mailbox = mailboxes(tp)
     with np.errstate(over="ignore", invalid="ignore"):
         want = oracle.rank_order_sum(partials)
-    got = run(partials, mailbox, 1, two_shot)
+    got = run(partials, mailbox, two_shot)
     for r in range(tp):  # bit for bit, nan for nan; a sum of zeros may be +0 where fp32 gives -0
         same = (got[r].view(np.uint16) == want.view(np.uint16)) | (
             np.isnan(got[r].astype(np.float32)) & np.isnan(want.astype(np.float32))) | (
@@ -100,8 +103,8 @@ def test_adversarial_rows(rng, mailboxes, tp, two_shot):
     assert not mailbox.timed_out() and mailbox.unarmed() == 0
 
 
-@functools.partial(jax.jit, static_argnames=("mailbox", "parity", "batch", "two_shot"))
-def stress_step(key, mailbox, *, parity, batch, two_shot):
+@functools.partial(jax.jit, static_argnames=("mailbox", "batch", "two_shot"))
+def stress_step(key, mailbox, *, batch, two_shot):
     """One step: fresh random partials, the all-reduce, mismatches against fp32 sums in rank
     order (bit-exact), and the unarmed words left after it."""
     from jax_kimik3.kernels import lamport_ops as lamport
@@ -109,8 +112,7 @@ def stress_step(key, mailbox, *, parity, batch, two_shot):
     # reduce_precision: XLA keeps this rounding (it may skip a bf16 convert pair in a fusion).
     partials = jax.lax.reduce_precision(jax.random.normal(key, (tp, batch, H), jnp.float32),
                                         exponent_bits=8, mantissa_bits=7).astype(jnp.bfloat16)
-    got = k3.all_reduce_virtual(partials, mailbox, parity=parity, two_shot=two_shot,
-                                max_spins=SPINS)
+    got = k3.all_reduce_virtual(partials, mailbox, two_shot=two_shot)
     acc = partials[0].astype(jnp.float32)
     for r in range(1, tp):
         acc = acc + partials[r].astype(jnp.float32)
@@ -123,31 +125,100 @@ def stress_step(key, mailbox, *, parity, batch, two_shot):
 
 @pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
 def test_ten_thousand_steps(mailboxes, two_shot):
-    """10,000 steps, parity alternating, random batch sizes: no mismatch, every slot re-armed."""
+    """10,000 steps dispatched without a host sync, random batch sizes: no mismatch, every
+    slot re-armed."""
     mailbox = mailboxes(4)
     rng = np.random.default_rng(7)
     batches = rng.choice([1, 2, 5, 8, 17, 33, 64], 10_000)
     keys = jax.random.split(jax.random.key(0), 10_000)
     total = jnp.zeros((2,), jnp.int32)
     for step, batch in enumerate(batches):
-        total = total + stress_step(keys[step], mailbox, parity=step % 2, batch=int(batch),
-                                    two_shot=two_shot)
+        total = total + stress_step(keys[step], mailbox, batch=int(batch), two_shot=two_shot)
     mismatches, unarmed_left = map(int, total)
     assert (mismatches, unarmed_left) == (0, 0)
     assert not mailbox.timed_out()
 
 
-def test_peer_that_never_publishes_times_out(mailboxes):
-    """Rank 0 publishes and waits for rank 1, which never publishes: a reported timeout."""
-    from jax_kimik3.kernels import lamport_ops as lamport
-    mailbox = mailboxes(2)
-    rows = jnp.ones((4, H), jnp.bfloat16)
-    out = jax.jit(lambda x, t: lamport.all_reduce(
-        x, t, jnp.zeros((1,), jnp.int32), layout=mailbox.layout, parity=0, max_spins=SPINS))(
-        rows, jnp.asarray(mailbox.peer_table))
-    out.block_until_ready()
-    assert mailbox.timed_out() == [0]
-    with pytest.raises(TimeoutError, match=r"ranks \[0\] timed out"):
+def one_rank(rows, mailbox, rank, two_shot=False):
+    """Rank `rank` alone, compiled: its all-reduce as a mesh rank would run it (R = 1), on the
+    virtual mailbox, with nobody else publishing. Returns a function that runs it."""
+    from jax_kimik3.kernels import lamport_ops
+    table = jnp.asarray(mailbox.peer_table)
+    compiled = jax.jit(lambda x, t: lamport_ops.all_reduce(
+        x[None], t, jnp.full((1,), rank, jnp.int32), spec=mailbox.spec,
+        two_shot=two_shot)).lower(rows, table).compile()
+    return lambda: np.asarray(compiled(rows, table)[0].astype(jnp.float32))
+
+
+def timed(f):
+    """(f(), seconds it took)."""
+    start = time.perf_counter()
+    value = f()
+    return value, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
+def test_missing_then_late_peer_is_loud(two_shot):
+    """Rank 0 all-reduces rows of 1 and rank 1 never comes: NaN rows (not rank 0's own rows)
+    after the timeout, and the mailbox is marked failed. Rank 1 then publishes late (rows of
+    2): NaN at once (it waits for nothing). The next call of both ranks (rows of 3): NaN on
+    both (not 5 and 6: no stale sum). `check()` names rank 0, call 1 and rank 1; after `arm()`
+    both ranks get 6 again and every slot is armed."""
+    with k3.Mailbox.virtual(jax.devices()[0], 2, timeout_ms=TIMEOUT_MS) as mailbox:
+        ones = jnp.ones((4, H), jnp.bfloat16)
+        rank0 = one_rank(ones, mailbox, 0, two_shot)
+        rank1 = one_rank(2 * ones, mailbox, 1, two_shot)
+        first, waited = timed(rank0)
+        assert np.isnan(first).all(), "the waiting rank must get NaN rows"
+        assert waited >= TIMEOUT_MS / 1e3
+        with pytest.raises(TimeoutError, match=r"rank 0 \((all-reduce consumer|two-shot owner)\) "
+                                               r"gave up in call 1 since arm\(\) waiting for "
+                                               r"rows of rank\(s\) \[1\]"):
+            mailbox.check()
+        late, waited = timed(rank1)
+        assert np.isnan(late).all() and waited < TIMEOUT_MS / 1e3, "a failed mailbox waits not"
+        both = run(bf16(np.full((2, 4, H), 3.0)), mailbox, two_shot).astype(np.float32)
+        assert np.isnan(both).all(), "every later call is NaN until the host re-arms"
+        with pytest.raises(TimeoutError, match=r"marked failed: every call on this mailbox "
+                                               r"writes NaN until Mailbox.arm\(\)"):
+            mailbox.check()
+        mailbox.arm()
+        assert mailbox.timed_out() == [] and mailbox.unarmed() == 0 and mailbox.calls() == [0, 0]
+        again = run(bf16(np.full((2, 4, H), 3.0)), mailbox, two_shot).astype(np.float32)
+        assert (again == 6.0).all()
         mailbox.check()
-    mailbox.arm()
-    assert mailbox.timed_out() == [] and mailbox.unarmed() == 0
+        assert mailbox.unarmed() == 0
+
+
+def test_timeout_bounds_every_wait(rng):
+    """A longer bound waits longer: the bound is time (the GPU's global timer), not polls."""
+    times = {}
+    for timeout_ms in (50.0, 400.0):
+        with k3.Mailbox.virtual(jax.devices()[0], 2, timeout_ms=timeout_ms) as mailbox:
+            _, times[timeout_ms] = timed(one_rank(jnp.ones((8, H), jnp.bfloat16), mailbox, 0))
+            assert mailbox.timed_out() == [0]
+    assert times[50.0] >= 0.05 and times[400.0] >= 0.4 and times[400.0] < 60
+    assert times[400.0] > 3 * times[50.0]
+
+
+def test_odd_layer_count_and_shared_mailbox(rng, mailboxes):
+    """Consecutive calls on one mailbox use alternate buffers whatever the caller does: three
+    all-reduces in one jit (an odd count, as 93 layers are), two of them independent of each
+    other, dispatched back to back ten times without a host sync: all exact, every slot armed,
+    every rank's counter advanced once per call."""
+    mailbox = mailboxes(4)
+    parts = [bf16(rng.standard_normal((4, 8, H), np.float32)) for _ in range(3)]
+
+    @jax.jit
+    def step(a, b, c):
+        x = k3.all_reduce_virtual(a, mailbox)
+        y = k3.all_reduce_virtual(b, mailbox)  # independent of x: XLA may order them freely
+        z = k3.all_reduce_virtual(c + 0 * x[0], mailbox)
+        return x, y, z
+
+    before = mailbox.calls()
+    outs = [step(*parts) for _ in range(10)]
+    for x, y, z in outs:
+        for got, partials in zip((x, y, z), parts):
+            assert_all_reduced(np.asarray(got), partials, mailbox)
+    assert mailbox.calls() == [c + 30 for c in before]

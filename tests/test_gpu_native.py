@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import jax_kimik3 as k3
-from jax_kimik3 import tuning
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 from jax_kimik3.mailbox import Mailbox
@@ -70,30 +69,31 @@ def test_final(rng, num_layers):
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["tail", "stats_ahead"])
 @pytest.mark.parametrize("layer", [0, 46])
-@pytest.mark.parametrize("b", [1, 8, 33])
-@pytest.mark.parametrize("tp", [1, 2, 8])
-def test_post_attention_tail_in_virtual_tp(rng, tp, b, layer, ahead):
-    """Every rank's tail at the layer's parity: the producer (or XLA's dot and the publish),
-    then the AttnRes ring consumer (with a later site's statistics ahead, or not); ranks
-    bitwise equal, within bf16 (statistics: fp32) of the model. The library holds the fused
-    tail for one rank per launch (a mesh: decode_loop), so virtual TP runs "split" there."""
-    from jax_kimik3.kernels import oproj
+@pytest.mark.parametrize("b", [1, 4, 8, 33])
+def test_post_attention_tail_on_a_mesh(rng, b, layer, ahead):
+    """The tail as a decode step runs it (one rank per launch, the library's calls), on a TP
+    mesh of every GPU here (TP 1 on one): ranks bitwise equal, within bf16 (statistics: fp32)
+    of the model, every slot re-armed."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
-    plan = KIMI_K3.layer(layer)
-    site = plan.post_attention
-    k = KIMI_K3.o_proj_local_features(tp)
-    variant = "split" if tuning.tail_variant(b, k) == "fused" else None
+    devices = jax.devices()
+    tp = len(devices)
+    mesh = Mesh(np.array(devices), ("tp",))
+    site = KIMI_K3.layer(layer).post_attention
     inp, later = attn_res_inputs(rng, b, NB), attn_res_inputs(rng, b, NB)
     x, w = oproj_inputs(rng, b)
-    xs = np.stack(np.split(x, tp, axis=-1))
-    ws = np.stack(np.split(w, tp, axis=-1))
-    with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
-        run = jax.jit(lambda xs, ws, i, j, table: oproj.tail_virtual(
-            xs, ws, i.prefix, i.blocks, i.res_norm_w, i.res_proj_w, i.out_norm_w, table=table,
-            layout=mailbox.layout, parity=plan.parity, num_blocks=site.num_blocks,
-            has_delta=site.has_delta, eps=1e-5, out_eps=1e-5, variant=variant,
-            ahead=(j.res_norm_w, j.res_proj_w) if ahead else None))
-        results = run(xs, ws, jax.device_put(inp), jax.device_put(later), mailbox.peer_table)
+    with Mailbox.for_devices(devices) as mailbox:
+        def tail(x, w, prefix, blocks, g, proj, out_w, g2, proj2):
+            results = k3.oproj_attn_res(
+                x, w, prefix, blocks, g, proj, out_w, axis_name="tp",
+                num_blocks=site.num_blocks, has_delta=site.has_delta, mailbox=mailbox,
+                ahead=(g2, proj2) if ahead else None, backend="kernel")
+            return jax.tree.map(lambda a: a[None], (results[0], results[1], *results[3:]))
+        run = jax.jit(jax.shard_map(tail, mesh=mesh, in_specs=(P(None, "tp"),) * 2 + (P(),) * 7,
+                                    out_specs=P("tp")))
+        results = run(x, w, inp.prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w,
+                      inp.out_norm_w, later.res_norm_w, later.res_proj_w)
         out, prefix = map(np.asarray, results[:2])
         mailbox.check()
         assert mailbox.unarmed() == 0

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_kimik3 as k3
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 from jax_kimik3.mailbox import Mailbox
@@ -57,35 +58,41 @@ def test_producer_rows(rng, tp, b):
     assert (err <= bound).all(), f"{(~(err <= bound)).sum()} elements off (NaN: unwritten)"
 
 
-@functools.partial(jax.jit, static_argnames=("mailbox", "num_blocks", "has_delta", "parity",
-                                             "two_shot", "variant"))
-def tail_virtual(xs, ws, inp, mailbox, ahead=None, *, num_blocks, has_delta, parity,
-                 two_shot=False, variant=None, into=None):
+@functools.partial(jax.jit, static_argnames=("spec", "num_blocks", "has_delta", "two_shot",
+                                             "variant"))
+def _tail(xs, ws, inp, table, ahead=None, into=None, *, spec, num_blocks, has_delta,
+          two_shot=False, variant=None):
     from jax_kimik3.kernels import oproj
-    return oproj.tail_virtual(
+    return oproj.tail(
         xs, ws, inp.prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w, inp.out_norm_w,
-        table=jnp.asarray(mailbox.peer_table), layout=mailbox.layout, parity=parity,
-        num_blocks=num_blocks, has_delta=has_delta, eps=1e-5, out_eps=1e-5, max_spins=1 << 20,
-        ahead=ahead, two_shot=two_shot, variant=variant, into=into)
+        table=table, ranks=jnp.arange(xs.shape[0], dtype=jnp.int32), spec=spec,
+        num_blocks=num_blocks, has_delta=has_delta, eps=1e-5, out_eps=1e-5, ahead=ahead,
+        two_shot=two_shot, variant=variant, into=into)
+
+
+def tail_virtual(xs, ws, inp, mailbox, ahead=None, *, poison=False, **static):
+    """Every rank's tail on the one GPU (R = TP ranks in the one tail call); `poison`: into
+    NaN-filled outputs, so an unwritten element fails the model check."""
+    r, b = xs.shape[:2]
+    into = None
+    if poison:
+        into = tuple(jnp.full((r * b, H), jnp.nan, jnp.bfloat16) for _ in range(2))
+    return _tail(xs, ws, inp, jnp.asarray(mailbox.peer_table), ahead, into, spec=mailbox.spec,
+                 **static)
 
 
 def check_tail_virtual(rng, mailbox, b, layer, variant):
-    """Every rank's (out, new prefix) bitwise equal, within bf16 of the float64 model, at the
-    layer's parity and then the other one; no timeout. The fused variant writes into
-    NaN-poisoned outputs (an unwritten element fails the model check)."""
+    """Every rank's (out, new prefix) bitwise equal, within bf16 of the float64 model, in two
+    calls (they use the mailbox's two buffers in turn), into NaN-poisoned outputs; no timeout."""
     tp = mailbox.tp
     site = KIMI_K3.layer(layer).post_attention
     inp = attn_res_inputs(rng, b, NB)
     x = oproj_inputs(rng, b)[0]
     w = weight()
-    for parity in (KIMI_K3.layer(layer).parity, 1 - KIMI_K3.layer(layer).parity):
-        into = None
-        if variant == "fused":
-            into = tuple(jnp.full((tp, b, H), jnp.nan, jnp.bfloat16) for _ in range(2))
+    for _ in range(2):
         out, prefix = map(np.asarray, tail_virtual(
-            split(x, tp), split(w, tp), jax.device_put(inp), mailbox,
-            num_blocks=site.num_blocks, has_delta=site.has_delta, parity=parity,
-            variant=variant, into=into))
+            split(x, tp), split(w, tp), jax.device_put(inp), mailbox, poison=True,
+            num_blocks=site.num_blocks, has_delta=site.has_delta, variant=variant))
         for r in range(1, tp):
             np.testing.assert_array_equal(out[r].view(np.uint16), out[0].view(np.uint16))
             np.testing.assert_array_equal(prefix[r].view(np.uint16), prefix[0].view(np.uint16))
@@ -145,7 +152,7 @@ def test_tail_statistics_ahead(rng, tp, b, layer):
         out, prefix, stats = tail_virtual(
             split(x, tp), split(w, tp), jax.device_put(inp), mailbox,
             (later.res_norm_w, later.res_proj_w), num_blocks=site.num_blocks,
-            has_delta=site.has_delta, parity=KIMI_K3.layer(layer).parity)
+            has_delta=site.has_delta)
         out, prefix, mixture, scal = map(np.asarray, (out, prefix, *stats))
         mailbox.check()
         assert mailbox.unarmed() == 0
@@ -167,21 +174,124 @@ def test_tail_statistics_ahead(rng, tp, b, layer):
 @pytest.mark.parametrize("tp", [2, 4, 8, 16])
 def test_two_shot_tail_matches_model(rng, tp, b, layer):
     """The tail through the two-shot reduction (owners sum column chunks, the AttnRes consumer
-    polls the gather region): bitwise-equal ranks within bf16 of the model, both parities,
+    polls the gather region): bitwise-equal ranks within bf16 of the model, both buffers,
     receive and gather regions re-armed."""
     site = KIMI_K3.layer(layer).post_attention
     inp = attn_res_inputs(rng, b, NB)
     x = oproj_inputs(rng, b)[0]
     w = weight()
     with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
-        for parity in (0, 1):
+        for _ in range(2):
             out, prefix = map(np.asarray, tail_virtual(
-                split(x, tp), split(w, tp), jax.device_put(inp), mailbox,
-                num_blocks=site.num_blocks, has_delta=site.has_delta, parity=parity,
-                two_shot=True))
+                split(x, tp), split(w, tp), jax.device_put(inp), mailbox, poison=True,
+                num_blocks=site.num_blocks, has_delta=site.has_delta, two_shot=True))
             for r in range(1, tp):
                 np.testing.assert_array_equal(out[r].view(np.uint16), out[0].view(np.uint16))
             oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=tp,
                                      num_blocks=site.num_blocks, has_delta=site.has_delta)
             mailbox.check()
         assert mailbox.unarmed() == 0
+
+
+@pytest.mark.parametrize("variant", ["split", "xla", "fused"])
+def test_tail_without_its_peer_is_nan_rows(rng, variant):
+    """Rank 0's tail alone on a TP2 mailbox (rank 1 never publishes): after the timeout its
+    out and new prefix are NaN over every row (not rank 0's own rows mixed), the timeout is
+    recorded, and the next call of both ranks is NaN too until the host re-arms."""
+    b, tp = 4, 2
+    site = KIMI_K3.layer(46).post_attention
+    inp = attn_res_inputs(rng, b, NB)
+    x, w = oproj_inputs(rng, b)[0], weight()
+    xs, ws = split(x, tp), split(w, tp)
+    with Mailbox.virtual(jax.devices()[0], tp, timeout_ms=200.0) as mailbox:
+        out, prefix = map(np.asarray, tail_virtual(
+            xs[:1], ws[:1], jax.device_put(inp), mailbox, num_blocks=site.num_blocks,
+            has_delta=site.has_delta, variant=variant))
+        assert np.isnan(out.astype(np.float32)).all() and np.isnan(prefix.astype(np.float32)).all()
+        with pytest.raises(TimeoutError, match=r"rank 0 \(AttnRes tail consumer\) gave up in "
+                                               r"call 1 since arm\(\) waiting for rows of "
+                                               r"rank\(s\) \[1\]"):
+            mailbox.check()
+        both = tail_virtual(xs, ws, jax.device_put(inp), mailbox, num_blocks=site.num_blocks,
+                            has_delta=site.has_delta, variant=variant)[0]
+        assert np.isnan(np.asarray(both).astype(np.float32)).all()
+        mailbox.arm()
+        check_tail_virtual(rng, mailbox, b, 46, variant)
+        assert mailbox.unarmed() == 0
+
+
+def weights(inp):
+    return k3.AttnResWeights(inp.res_norm_w, inp.res_proj_w, inp.out_norm_w)
+
+
+@pytest.mark.parametrize("b", [4, 8], ids=["fused", "split"])
+def test_decode_steps_back_to_back(rng, b):
+    """Two steps of Kimi K3's 93 post-attention tails in one jit on one TP2 mailbox (an odd
+    layer count: layer 92 and the next step's layer 0 follow one another), dispatched without
+    a host sync: every layer's (out, new prefix) within bf16 of the float64 model on its input
+    prefix, every slot armed and 186 calls counted per rank."""
+    tp, distinct = 2, 3
+    inp = attn_res_inputs(rng, b, NB)
+    x_bank = [oproj_inputs(rng, b)[0] for _ in range(distinct)]
+    w = weight()
+    plans = KIMI_K3.layers()
+    with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
+        @jax.jit
+        def steps(prefix, blocks, x_bank, ws):
+            outs, prefixes = [], []
+            for _ in range(2):
+                for plan in plans:
+                    tail = k3.AttentionTail(plan, mailbox=mailbox)
+                    out, prefix, _ = tail.post_attention_virtual(
+                        weights(inp), x_bank[plan.index % distinct], ws, prefix, blocks)
+                    outs.append(out)
+                    prefixes.append(prefix)
+            return jnp.stack(outs), jnp.stack(prefixes)
+
+        outs, prefixes = map(np.asarray, steps(
+            jnp.asarray(inp.prefix), jnp.asarray(inp.blocks),
+            [jnp.asarray(split(x, tp)) for x in x_bank], jnp.asarray(split(w, tp))))
+        mailbox.check()
+        assert mailbox.unarmed() == 0 and mailbox.calls() == [2 * len(plans)] * tp
+    products = [oracle.tail_products(x, w, tp) for x in x_bank]
+    for i in range(2 * len(plans)):
+        plan = plans[i % len(plans)]
+        site = plan.post_attention
+        before = inp.prefix if i == 0 else prefixes[i - 1]
+        oracle.assert_tail_close(outs[i], prefixes[i], x_bank[plan.index % distinct], w,
+                                 inp._replace(prefix=before), tp=tp, num_blocks=site.num_blocks,
+                                 has_delta=site.has_delta,
+                                 products=products[plan.index % distinct])
+
+
+@pytest.mark.parametrize("b", [4, 8], ids=["fused", "split"])
+def test_same_layer_repeated(rng, b):
+    """One layer's tail five times in a row on one mailbox (no layer parity to alternate):
+    each call within bf16 of the model, every slot armed."""
+    tp = 4
+    site = KIMI_K3.layer(46).post_attention
+    inp = attn_res_inputs(rng, b, NB)
+    x, w = oproj_inputs(rng, b)[0], weight()
+    with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
+        tail = k3.AttentionTail(KIMI_K3.layer(46), mailbox=mailbox)
+
+        @jax.jit
+        def repeated(prefix, xs, ws):
+            results = []
+            for _ in range(5):
+                out, prefix, _ = tail.post_attention_virtual(weights(inp), xs, ws, prefix,
+                                                             inp.blocks)
+                results.append((out, prefix))
+            return results
+
+        results = repeated(jnp.asarray(inp.prefix), jnp.asarray(split(x, tp)),
+                           jnp.asarray(split(w, tp)))
+        mailbox.check()
+        assert mailbox.unarmed() == 0 and mailbox.calls() == [5] * tp
+    products = oracle.tail_products(x, w, tp)
+    before = inp.prefix
+    for out, prefix in results:
+        oracle.assert_tail_close(np.asarray(out), np.asarray(prefix), x, w,
+                                 inp._replace(prefix=before), tp=tp, num_blocks=site.num_blocks,
+                                 has_delta=site.has_delta, products=products)
+        before = np.asarray(prefix)

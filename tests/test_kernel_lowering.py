@@ -12,7 +12,7 @@ from tests.lowering import CUSTOM_CALL, kept_ptx, lower_for_cuda, spec
 
 pytest.importorskip("cutlass")
 
-H, NB = 7168, 8
+H, NB = k3.KIMI_K3.hidden_size, k3.KIMI_K3.num_attn_res_blocks
 
 
 VARIANTS = [  # (K, delta, write, out norm, precomputed statistics)
@@ -30,7 +30,8 @@ def test_attn_res_variant_lowers(k, has_delta, write, out_norm, precomputed):
     def f(prefix, delta, blocks, g, w, o, mixture, scal):
         return k3.attn_res(prefix, blocks, g, w, o if out_norm else None, num_blocks=k,
                            delta=delta if has_delta else None, write_idx=write_idx,
-                           stats=(mixture, scal) if precomputed else None, backend="kernel")
+                           stats=k3.AttnResStatistics(mixture, scal, k) if precomputed else None,
+                           backend="kernel")
 
     text = lower_for_cuda(f, spec(b, H), spec(b, H), spec(b, NB, H), spec(H), spec(H), spec(H),
                           spec(b, H, dtype=jnp.float32), spec(b, 2, dtype=jnp.float32))
@@ -87,7 +88,7 @@ def test_auto_backend_on_cpu_is_the_reference():
 
 
 def test_kernel_backend_needs_model_width():
-    with pytest.raises(NotImplementedError, match="built for H=7168; got H=256"):
+    with pytest.raises(ValueError, match="built for H=7168; got H=256"):
         jax.jit(lambda p, bl, g, w: k3.attn_res(p, bl, g, w, None, num_blocks=1,
                                                  backend="kernel")).trace(
             spec(8, 256), spec(8, NB, 256), spec(256), spec(256))

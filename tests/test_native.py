@@ -99,7 +99,7 @@ def test_every_handler_registers_without_the_dsl(built):
 def test_aot_decode_step_lowers_to_the_library(built, stats_ahead):
     """decode_loop's step at TP 2, lowered for CUDA with JAX_KIMIK3_KERNELS=aot: only the
     library's targets, in the tail variant tuning.py picks: at B = 4 the fused tail (with
-    statistics ahead: the producer and the ring consumer), at B = 33 XLA's dot + publish."""
+    statistics ahead: the split tail call), at B = 33 XLA's dot and the tail call."""
     path, _ = built
     got = run_without_dsl(f"""
         import json, re, sys
@@ -112,19 +112,22 @@ def test_aot_decode_step_lowers_to_the_library(built, stats_ahead):
         step = dl.make_step(mesh, params, {LAYERS}, "kernel", k3.MailboxSpec(k3.MailboxLayout(2)),
                             stats_ahead={stats_ahead})
         s = jax.ShapeDtypeStruct
-        targets = {{}}
+        targets, dots = {{}}, {{}}
         for b in (4, 33):
             text = step.trace(params, s((b, {H}), jnp.bfloat16), s((b, {NB}, {H}), jnp.bfloat16),
                               s((3, 2), jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
             targets[b] = re.findall(r"custom_call @(\\w+)", text)
-        print(json.dumps(dict(targets=targets, dsl="cutlass" in sys.modules)))
+            dots[b] = text.count("dot_general")
+        print(json.dumps(dict(targets=targets, dots=dots, dsl="cutlass" in sys.modules)))
     """, path)
     names = set(native.load(path).calls)
     families = {b: {t.split("_")[1] for t in targets} for b, targets in got["targets"].items()}
     for targets in got["targets"].values():
         assert targets and set(targets) <= names, targets
-    assert families["4"] == ({"attn", "oproj"} if stats_ahead else {"attn", "fused"})
-    assert families["33"] == {"attn", "publish"}
+    assert families["4"] == ({"attn", "tail"} if stats_ahead else {"attn", "fused"})
+    assert families["33"] == {"attn", "tail"}
+    # The stand-ins for attention and the MLP are dots in every layer; at B = 33 o_proj too.
+    assert got["dots"]["33"] > got["dots"]["4"]
     assert not got["dsl"]
 
 

@@ -5,18 +5,16 @@ Per TP in `tps` (default TP_VALUES) and the first `num_layers` layers:
 1. pre-attention AttnRes of every layer and the final AttnRes after any number of layers,
    each with and without precomputed statistics, and the statistics kernel of every K >= 1
    (`AttentionTail.pre_attention[_statistics]`, `final_attn_res`);
-2. the post-attention tail (`oproj_attn_res` with a mailbox) of every layer at its parity, in
-   each variant `tuning.tail_variant` and `tuning.use_two_shot` pick at K = 12288 / TP: the
-   Lamport publish of XLA's dot, the o_proj producer (at every batch the producer runs:
-   "split", and "fused" with statistics ahead), the fused tail (at every batch it is picked
-   for), the two-shot owner (at every batch two-shot is picked for); and the AttnRes ring
-   consumer, with and without statistics ahead, one-shot and (where picked) two-shot;
+2. the post-attention tail (`oproj_attn_res` with a mailbox) of every distinct
+   post-attention site (saved blocks, delta) of those layers, with and without statistics
+   ahead, in each (variant, two-shot) that `oproj.tail`'s choice (`tuning`) makes at some
+   batch at K = 12288 / TP: "xla" and "split" once each (they read the batch at run time;
+   split per producer B tile count), "fused" at every batch it is chosen for;
 3. the one-shot mailbox all-reduce (`all_reduce`).
-Batch is symbolic: those kernels read it at run time, one object for every B in [1, 64]; the
-producer, the owner and the fused tail are compiled per batch. Not included (JIT only): the
-two-shot all-reduce and tail where the tables do not pick them, the fused tail of several
-ranks per launch (virtual TP), multicast mailboxes, other eps or max_spins, `into=` buffers.
-tests/test_catalog.py checks that decode steps at every TP make no other kernel call.
+The mailbox is MailboxSpec(MailboxLayout(tp)) with the default timeout. Not included (JIT
+only): the two-shot all-reduce, tails of several ranks per launch (virtual TP), multicast
+mailboxes, other eps or timeouts, `into=` buffers. tests/test_catalog.py checks that decode
+steps at every TP make no other kernel call.
 """
 
 from __future__ import annotations
@@ -26,10 +24,9 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-from jax_kimik3 import tuning
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels import attn_res_ops, lamport_ops, oproj, producer_ops
-from jax_kimik3.mailbox import MailboxLayout
+from jax_kimik3.mailbox import MailboxLayout, MailboxSpec
 
 TP_VALUES = (1, 2, 4, 8, 16)
 H, NB, EPS = KIMI_K3.hidden_size, KIMI_K3.num_attn_res_blocks, KIMI_K3.rms_norm_eps
@@ -60,48 +57,32 @@ def _statistics(num_blocks):
     return call
 
 
-def _tail(layout, site, parity, ahead, two_shot):
-    """oproj_attn_res's kernels where XLA's dot makes the rows ("xla", kernels/oproj.py): the
-    publish and the ring consumer, the latter with statistics `ahead` or without (the two-shot
-    owner between them is compiled per batch: `_reduce_chunk`)."""
-    def call(rows, prefix, blocks, g, w, o, table, rank):
-        token = lamport_ops.publish(rows, table, rank, layout=layout, parity=parity,
-                                    two_shot=two_shot)
-        ring = attn_res_ops.Ring(layout, parity, lamport_ops.MAX_SPINS, two_shot,
-                                 site.has_delta, table, rank, token)
-        return attn_res_ops.attn_res(prefix, blocks, g, w, o, num_blocks=site.num_blocks,
-                                     delta=None, write_idx=-1, eps=EPS, out_eps=EPS, stats=None,
-                                     ring=ring, ahead=(g, w) if ahead else None)
-    return call
-
-
-def _produce(layout, parity, two_shot):
-    def call(x, w, table, rank):
-        return producer_ops.produce(x, w, table, rank, layout=layout, parity=parity,
-                                    two_shot=two_shot)
-    return call
-
-
-def _reduce_chunk(layout, parity, batch):
-    def call(table, rank, token):
-        return lamport_ops.reduce_chunk(table, rank, token, layout=layout, parity=parity,
-                                        batch=batch)
-    return call
-
-
-def _fused(layout, site, parity):
+def _tail(spec, site, ahead, variant, two_shot, tiles):
     def call(x, w, prefix, blocks, g, pw, o, table, rank):
-        return oproj.oproj_attn_res(x, w, prefix, blocks, g, pw, o, table=table, rank=rank,
-                                    layout=layout, parity=parity, num_blocks=site.num_blocks,
-                                    has_delta=site.has_delta, eps=EPS, out_eps=EPS,
-                                    two_shot=False, variant="fused")
+        return oproj.launch_tail(x[None], w[None], prefix, blocks, g, pw, o, table=table,
+                                 ranks=rank, spec=spec, num_blocks=site.num_blocks,
+                                 has_delta=site.has_delta, eps=EPS, out_eps=EPS,
+                                 ahead=(g, pw) if ahead else None, variant=variant,
+                                 two_shot=two_shot, tiles=tiles)
     return call
 
 
-def _all_reduce(layout, parity):
+def _all_reduce(spec):
     def call(rows, table, rank):
-        return lamport_ops.all_reduce(rows, table, rank, layout=layout, parity=parity)
+        return lamport_ops.all_reduce(rows[None], table, rank, spec=spec)
     return call
+
+
+def tail_choices(tp, ahead) -> dict:
+    """{(variant, two_shot, tiles): the batches it is chosen for} at K = 12288 / TP."""
+    k = KIMI_K3.o_proj_local_features(tp)
+    choices = {}
+    for batch in range(1, KIMI_K3.mailbox_capacity + 1):
+        variant, two_shot = oproj._choose(None, None, batch, k, tp, () if ahead else None)
+        tiles = producer_ops.tiles(batch) if variant == "split" else None
+        key = (variant, two_shot, tiles, batch if variant == "fused" else None)
+        choices.setdefault(key, []).append(batch)
+    return choices
 
 
 def decode_calls(tps=TP_VALUES, num_layers=KIMI_K3.num_layers) -> Iterator[Entry]:
@@ -123,34 +104,18 @@ def decode_calls(tps=TP_VALUES, num_layers=KIMI_K3.num_layers) -> Iterator[Entry
     for num_blocks in sorted({site.num_blocks for _, site in sites} - {0}):
         yield (f"statistics K={num_blocks}", _statistics(num_blocks),
                (_spec(b, NB, H), _spec(H), _spec(H)))
-    batches = range(1, KIMI_K3.mailbox_capacity + 1)
+    posts = sorted({(p.post_attention.num_blocks, p.post_attention.has_delta): p.post_attention
+                    for p in plans}.items())
     for tp in tps:
-        layout, k = MailboxLayout(tp), KIMI_K3.o_proj_local_features(tp)
+        spec, k = MailboxSpec(MailboxLayout(tp)), KIMI_K3.o_proj_local_features(tp)
         mailbox = (_spec(tp + 1, 2, dtype=jnp.uint32), _spec(1, dtype=jnp.int32))
-        two_shot_batches = [batch for batch in batches if tuning.use_two_shot(batch, tp)]
-        for plan in plans:
-            site = plan.post_attention
-            for two_shot in sorted({False, bool(two_shot_batches)}):
-                for ahead in (False, True):
-                    yield (f"TP{tp} layer {plan.index} post-attention ring, ahead={ahead}, "
-                           f"two_shot={two_shot}",
-                           _tail(layout, site, plan.parity, ahead, two_shot),
-                           (_spec(b, H),) + _rows(b) + mailbox)
-            for batch in batches:
-                if tuning.tail_variant(batch, k) == "fused":
-                    yield (f"TP{tp} layer {plan.index} fused tail B={batch}",
-                           _fused(layout, site, plan.parity),
-                           (_spec(batch, k), _spec(H, k)) + _rows(batch) + mailbox)
-        for parity in (0, 1):
-            for batch in batches:
-                two_shot = batch in two_shot_batches
-                if tuning.use_producer(batch, k):
-                    yield (f"TP{tp} o_proj producer B={batch} parity {parity}",
-                           _produce(layout, parity, two_shot),
-                           (_spec(batch, k), _spec(H, k)) + mailbox)
-                if two_shot:
-                    yield (f"TP{tp} two-shot owner B={batch} parity {parity}",
-                           _reduce_chunk(layout, parity, batch),
-                           mailbox + (_spec(1, dtype=jnp.int32),))
-            yield (f"TP{tp} all-reduce parity {parity}", _all_reduce(layout, parity),
-                   (_spec(b, H),) + mailbox)
+        for ahead in (False, True):
+            for (variant, two_shot, tiles, batch), _ in sorted(
+                    tail_choices(tp, ahead).items(), key=str):
+                rows = b if batch is None else batch
+                for (num_blocks, has_delta), site in posts:
+                    yield (f"TP{tp} post-attention K={num_blocks} delta={has_delta} {variant} "
+                           f"two_shot={two_shot} tiles={tiles} B={batch} ahead={ahead}",
+                           _tail(spec, site, ahead, variant, two_shot, tiles),
+                           (_spec(rows, k), _spec(H, k)) + _rows(rows) + mailbox)
+        yield (f"TP{tp} all-reduce", _all_reduce(spec), (_spec(b, H),) + mailbox)

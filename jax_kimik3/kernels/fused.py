@@ -26,7 +26,7 @@ from jax_kimik3.kernels.attn_res_ops import AttnResVariant
 from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, ROWS,
                                          THREADS, WARP)
 from jax_kimik3.kernels.primitives import finish_call, vectors
-from jax_kimik3.kernels.producer_ops import Publish
+from jax_kimik3.kernels.producer_ops import Publish, tiles
 
 PRODUCER_CTAS = HIDDEN // ROWS  # 448 producer items per rank
 # Register cap through .minnctapersm: MIN_CTAS_PER_SM CTAs of 256 threads per SM (<= 64
@@ -52,7 +52,7 @@ class OprojAttnResFused:
         if clusters < 1:
             raise ValueError(f"fused o_proj tail: clusters={clusters} must be >= 1")
         self.ranks, self.batch, self.k = reduction.ranks, batch, k
-        self.producer = producer.OprojProducer(batch, k, HIDDEN,
+        self.producer = producer.OprojProducer(tiles(batch), k, HIDDEN,
                                                Publish(reduction.spec, False), self.ranks)
         self.consumer = attn_res_kernels.AttnResKernel(variant)
         self.layout = reduction.spec.layout
@@ -94,8 +94,9 @@ class OprojAttnResFused:
         # 1. producer items: every thread (the GEMM has CTA barriers)
         for item in cutlass.range(cluster * CLUSTER + cta, self.ranks * PRODUCER_CTAS, ctas):
             i = item // PRODUCER_CTAS
-            x_i, w_i = self.producer.rank_operands(x, w, i)
-            self.producer.rows(tidx, item - i * PRODUCER_CTAS, x_i, w_i, table, ranks[i], None)
+            x_i, w_i = self.producer.rank_operands(x, w, i, self.batch)
+            self.producer.rows(tidx, item - i * PRODUCER_CTAS, x_i, w_i, table, ranks[i], None,
+                               self.batch)
         # 2. consumer rows: THREADS threads per CTA; the other warps exit here
         if tidx < THREADS:
             for row in cutlass.range(cluster, self.ranks * self.batch, self.clusters):

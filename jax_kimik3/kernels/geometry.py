@@ -9,6 +9,7 @@ WARP = 32
 CLUSTER = 7  # CTAs per AttnRes cluster: one token row of H columns
 THREADS = KIMI_K3.hidden_size // (CLUSTER * VECTOR)  # 128 per AttnRes CTA, a vector each
 ROWS = 16  # rows of w per o_proj producer CTA: the mma's M
+TOKENS = 8  # tokens per producer B tile: the mma's N
 PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 FUSED_CTAS_PER_SM = 4  # the fused tail's register cap (.minnctapersm): <= 64 registers
 

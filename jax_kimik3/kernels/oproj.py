@@ -24,10 +24,9 @@ picks it, so consecutive calls on a mailbox alternate whatever the layers.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from jax_kimik3 import reference, tuning
-from jax_kimik3.kernels import attn_res_ops, residency
+from jax_kimik3.kernels import attn_res_ops, producer_ops, residency
 from jax_kimik3.kernels.geometry import CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, WARP
 from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
 from jax_kimik3.kernels.launch import Variant, launch
@@ -38,6 +37,8 @@ def _choose(variant, two_shot, batch, k, tp, ahead):
     """(variant, two_shot): what was asked for, else the tables'. The fused kernel is one-shot
     without statistics ahead: asked for, it runs one-shot; the table's fused runs split where
     two-shot or ahead is asked for or tabled."""
+    if variant is not None and variant not in tuning.TAIL_VARIANT_NAMES:
+        raise ValueError(f"variant={variant!r} must be one of {tuning.TAIL_VARIANT_NAMES}")
     if variant == "fused":
         if two_shot or ahead is not None:
             raise NotImplementedError(f"the fused tail is one-shot without ahead; got "
@@ -61,22 +62,36 @@ def tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, ran
     statistics (mixture [R, B, H], scal [R, B, 2]). `variant`: "fused", "split" or "xla";
     None: `tuning.tail_variant`. `into` = (out, new_prefix) [R·B, H] buffers written in place
     (the GPU tests pass poisoned ones)."""
+    _, b, k = x.shape
+    chosen, two_shot = _choose(variant, two_shot, b, k, spec.tp, ahead)
+    return launch_tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
+                       ranks=ranks, spec=spec, num_blocks=num_blocks, has_delta=has_delta,
+                       eps=eps, out_eps=out_eps, ahead=ahead, variant=chosen,
+                       two_shot=two_shot,
+                       tiles=producer_ops.tiles(b) if chosen == "split" else None, into=into)
+
+
+def launch_tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, ranks,
+                spec: MailboxSpec, num_blocks, has_delta, eps, out_eps, ahead, variant,
+                two_shot, tiles=None, into=None):
+    """`tail` in the given `variant`, `two_shot` and (split) producer B `tiles`: the one
+    custom call. Split and xla read the batch at run time (B may be symbolic, as the kernel
+    library's build traces it); the fused kernel is compiled per batch."""
     r, b, k = x.shape
     h = prefix.shape[1]
-    chosen, two_shot = _choose(variant, two_shot, b, k, spec.tp, ahead)
     attn_res = AttnResVariant(num_blocks, has_delta, -1, out_norm_w is not None, False,
                               float(eps), float(out_eps), Reduction(kernel_spec(spec), r, two_shot),
                               ahead=ahead is not None)
     outputs = tuple(attn_res_ops.outputs(attn_res, b, h))
     stacked = (x.reshape(r * b, k), w.reshape(r * h, k))
-    if chosen == "fused":
+    if variant == "fused":
         # The fused kernel's shared memory leaves FUSED_CTAS_PER_SM per SM (kernels/fused.py).
         clusters = residency.clusters_here(CLUSTER, PRODUCER_WARPS * WARP, 0, FUSED_CTAS_PER_SM)
         inputs = [*stacked, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table, ranks]
         call = Variant("fused", (b, k, attn_res, clusters))
     else:
-        if chosen == "split":
-            sources, shapes = [*stacked, None], (b, k)
+        if variant == "split":
+            sources, shapes = [*stacked, None], (tiles, k)
         else:  # "xla": XLA's dot makes each rank's rows
             rows = jax.vmap(reference.oproj_partial)(x, w).reshape(r * b, h)
             sources, shapes = [None, None, rows], (None, None)

@@ -1,6 +1,7 @@
 """The o_proj producer (sm_90a): R ranks' rows bf16(x @ w.T), ending in the Lamport publish.
 
-x [R, B, K] bf16 (B <= 64, K = 12288/TP), w [R, N, K] bf16 with N = 7168: weight streaming,
+x [R, B, K] bf16 (B <= 64, read at run time; compiled per B tile count), w [R, N, K] bf16 with
+N = 7168: weight streaming,
 so the kernel's job is to read w once at read bandwidth. One CTA owns 16 rows of one rank's w
 (R·N/16 CTAs; 448 per rank); its WARPS warps split K and each runs `mma.sync.m16n8k16` with
 w's 16 rows as A and x as B, one 8-column B tile per 8 tokens:
@@ -26,31 +27,30 @@ from cutlass import Float32, Int32, Int64
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.geometry import PRODUCER_WARPS as WARPS
-from jax_kimik3.kernels.geometry import ROWS
+from jax_kimik3.kernels.geometry import ROWS, TOKENS
 from jax_kimik3.kernels.lamport import publish_words
 from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, call_of, f32_to_words,
                                            load_words, mma_bf16, stream_words, store_words,
                                            without_negative_zero)
 from jax_kimik3.kernels.producer_ops import Publish
 
-TOKENS = 8  # tokens per B tile: the mma's N
 STEP = 4 * VECTOR  # k per warp step: 4 lanes x 16 bytes, two mma k-blocks
 UNROLL = 6  # warp steps in flight
 MAX_BATCH = KIMI_K3.mailbox_capacity  # decode rows per rank: at most 8 B tiles of accumulators
 
 
 class OprojProducer:
-    """bf16(x @ w.T) for R ranks at one (B, K, N); rows out ([B, N], R = 1) or published."""
+    """bf16(x @ w.T) for R ranks at (K, N) and any B of `tiles` B tiles (B read at run time);
+    rows out ([B, N], R = 1) or published."""
 
-    def __init__(self, batch: int, k: int, n: int, publish: Publish | None, ranks: int = 1):
-        if k % (WARPS * STEP) or n % ROWS or not 1 <= batch <= MAX_BATCH:
+    def __init__(self, tiles: int, k: int, n: int, publish: Publish | None, ranks: int = 1):
+        if k % (WARPS * STEP) or n % ROWS or not 1 <= tiles <= MAX_BATCH // TOKENS:
             raise ValueError(f"o_proj producer: K={k} must be a multiple of {WARPS * STEP}, "
-                             f"N={n} of {ROWS}, and B={batch} in [1, {MAX_BATCH}]")
+                             f"N={n} of {ROWS}, and tiles={tiles} in [1, {MAX_BATCH // TOKENS}]")
         if publish is None and ranks != 1:
             raise ValueError(f"o_proj producer: ranks={ranks} without a publish; one rank "
                              "writes a plain output")
-        self.batch, self.k, self.n, self.publish, self.ranks = batch, k, n, publish, ranks
-        self.tiles = (batch + TOKENS - 1) // TOKENS
+        self.tiles, self.k, self.n, self.publish, self.ranks = tiles, k, n, publish, ranks
 
     @property
     def smem_bytes(self) -> int:
@@ -64,7 +64,7 @@ class OprojProducer:
     @cute.jit
     def __call__(self, stream, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor):
         """The plain product: x [B, K], w [N, K] → out [B, N]."""
-        self.kernel(x, w, None, None, out).launch(
+        self.kernel(x, w, None, None, out, cute.size(x, mode=[0])).launch(
             grid=[self.ctas_per_rank, 1, 1], block=[WARPS * WARP, 1, 1], smem=self.smem_bytes,
             stream=stream)
 
@@ -72,32 +72,34 @@ class OprojProducer:
     def launch(self, stream, x: cute.Tensor, w: cute.Tensor, table: cute.Tensor,
                ranks: cute.Tensor):
         """The publishing producer of every rank of `ranks` (x [R·B, K], w [R·N, K])."""
-        self.kernel(x, w, table, ranks, None).launch(
+        self.kernel(x, w, table, ranks, None, cute.size(x, mode=[0]) // self.ranks).launch(
             grid=[self.ranks * self.ctas_per_rank, 1, 1], block=[WARPS * WARP, 1, 1],
             smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
-    def kernel(self, x: cute.Tensor, w: cute.Tensor, table, ranks, out):
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, table, ranks, out, batch: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         i = block // self.ctas_per_rank
-        x_i, w_i = self.rank_operands(x, w, i)
+        x_i, w_i = self.rank_operands(x, w, i, batch)
         self.rows(tidx, block - i * self.ctas_per_rank, x_i, w_i, table,
-                  None if cutlass.const_expr(ranks is None) else ranks[i], out)
+                  None if cutlass.const_expr(ranks is None) else ranks[i], out, batch)
 
     @cute.jit
-    def rank_operands(self, x: cute.Tensor, w: cute.Tensor, i):
+    def rank_operands(self, x: cute.Tensor, w: cute.Tensor, i, batch):
         """Rank i's x [B, K] and w [N, K] inside the stacked x [R·B, K] and w [R·N, K]."""
-        b, k, n = self.batch, self.k, self.n
-        x_i = cute.make_tensor(x.iterator + i * (b * k), cute.make_layout((b, k), stride=(k, 1)))
+        k, n = self.k, self.n
+        x_i = cute.make_tensor(x.iterator + i * (batch * k),
+                               cute.make_layout((batch, k), stride=(k, 1)))
         w_i = cute.make_tensor(w.iterator + i * (n * k), cute.make_layout((n, k), stride=(k, 1)))
         return x_i, w_i
 
     @cute.jit
-    def rows(self, tidx, block, x: cute.Tensor, w: cute.Tensor, table, rank, out):
-        """CTA `block`'s 16 rows of one rank's w: the GEMM, the in-order warp sum, and the
-        store into `out` [B, N] or the publish as rank `rank` of the mailbox. Every thread of
-        the CTA's WARPS warps calls it (it has CTA barriers); the fused tail kernel too."""
+    def rows(self, tidx, block, x: cute.Tensor, w: cute.Tensor, table, rank, out, batch):
+        """CTA `block`'s 16 rows of one rank's w for its `batch` tokens: the GEMM, the
+        in-order warp sum, and the store into `out` [B, N] or the publish as rank `rank` of
+        the mailbox. Every thread of the CTA's WARPS warps calls it (it has CTA barriers);
+        the fused tail kernel too."""
         wait = None
         if cutlass.const_expr(self.publish is not None):  # read now: hidden by the GEMM
             wait = call_of(table, rank, self.publish.spec.layout, self.publish.spec.timeout_ns)
@@ -108,7 +110,7 @@ class OprojProducer:
         k0 = warp * (k // WARPS) + t * VECTOR  # this lane's first k
         w_at = Int64(w.iterator.toint()) + (Int64(row0 + g) * k + k0) * 2
         x_at = Int64(x.iterator.toint()) + Int64(k0) * 2
-        x_rows = [Int64(cutlass.min(j * TOKENS + g, self.batch - 1)) * (k * 2)
+        x_rows = [Int64(cutlass.min(j * TOKENS + g, batch - 1)) * (k * 2)
                   for j in range(tiles)]
         acc = cute.make_rmem_tensor(4 * tiles, Float32)
         acc.fill(0.0)
@@ -145,7 +147,7 @@ class OprojProducer:
             j, i = e // 4, e % 4
             tile[j * TOKENS + 2 * (l % 4) + i % 2, l // 4 + 8 * (i // 2)] = total
         cute.arch.barrier()
-        if tidx < 2 * self.batch:  # two 8-row vectors per token
+        if tidx < 2 * batch:  # two 8-row vectors per token
             token, half = tidx // 2, tidx % 2
             words = f32_to_words([tile[token, half * VECTOR + e] for e in range(VECTOR)])
             vec = block * (ROWS // VECTOR) + half
@@ -159,6 +161,6 @@ class OprojProducer:
 
 
 @functools.cache
-def producer_kernel(batch, k, n):
-    """The plain product bf16(x @ w.T) [B, N] (no mailbox)."""
-    return OprojProducer(batch, k, n, None)
+def producer_kernel(tiles, k, n):
+    """The plain product bf16(x @ w.T) [B, N] (no mailbox), for B of `tiles` B tiles."""
+    return OprojProducer(tiles, k, n, None)

@@ -8,8 +8,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_kimik3.config import KIMI_K3
+from jax_kimik3.kernels.geometry import TOKENS
 from jax_kimik3.kernels.launch import Variant, launch
 from jax_kimik3.mailbox import MailboxSpec
+
+
+def tiles(batch: int) -> int:
+    """B tiles of TOKENS tokens that hold `batch` rows: what the producer is compiled for (it
+    reads the batch itself at run time)."""
+    if not 1 <= batch <= KIMI_K3.mailbox_capacity:
+        raise ValueError(f"o_proj producer: B={batch} must be in [1, {KIMI_K3.mailbox_capacity}]")
+    return (batch + TOKENS - 1) // TOKENS
 
 
 class Publish(NamedTuple):
@@ -24,5 +34,5 @@ def project(x, w, into=None):
     buffer written in place (the GPU tests pass a poisoned one)."""
     b, k = x.shape
     n = w.shape[0]
-    return launch(Variant("oproj", (b, k, n)), jax.ShapeDtypeStruct((b, n), jnp.bfloat16),
+    return launch(Variant("oproj", (tiles(b), k, n)), jax.ShapeDtypeStruct((b, n), jnp.bfloat16),
                   {} if into is None else {2: 0})(x, w, *([] if into is None else [into]))

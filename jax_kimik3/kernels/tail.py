@@ -25,17 +25,17 @@ class Tail:
     XLA's dot (rows [R·B, H], published by the Lamport publish kernel), all-reduced into the
     AttnRes kernel: out, new_prefix [R·B, H] (and ahead, mixture [R·B, H], scal [R·B, 2])."""
 
-    def __init__(self, batch: int | None, k: int | None, variant: AttnResVariant):
+    def __init__(self, tiles: int | None, k: int | None, variant: AttnResVariant):
         reduction = variant.reduction
         if reduction is None:
             raise ValueError(f"tail: {variant=} must complete a mailbox reduction")
-        if (batch is None) != (k is None):
-            raise ValueError(f"tail: the producer kernel needs its batch and K; got {batch=}, "
-                             f"{k=} (both None: rows from XLA's dot, any batch)")
+        if (tiles is None) != (k is None):
+            raise ValueError(f"tail: the producer kernel needs its B tiles and K; got "
+                             f"{tiles=}, {k=} (both None: rows from XLA's dot)")
         self.variant = variant
         self.all_reduce = AllReduce(reduction.spec, reduction.ranks, reduction.two_shot)
         self.producer = None if k is None else OprojProducer(
-            batch, k, HIDDEN, Publish(reduction.spec, reduction.two_shot), reduction.ranks)
+            tiles, k, HIDDEN, Publish(reduction.spec, reduction.two_shot), reduction.ranks)
         self.consumer = AttnResKernel(variant)
 
     @cute.jit
@@ -55,7 +55,7 @@ class Tail:
 
 
 @functools.cache
-def tail_kernel(batch, k, variant):
-    """`batch`, `k`: the producer kernel's (compiled per batch), or None, None for rows from
-    XLA's dot (one object for every batch)."""
-    return Tail(batch, k, variant)
+def tail_kernel(tiles, k, variant):
+    """`tiles`, `k`: the producer kernel's B tiles and K, or None, None for rows from XLA's
+    dot; every batch is read at run time."""
+    return Tail(tiles, k, variant)
