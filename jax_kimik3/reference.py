@@ -1,6 +1,6 @@
 """Block AttnRes, o_proj and its all-reduce in pure JAX: the oracle of every kernel and the XLA baseline.
 
-fp32 arithmetic, bf16 storage (DESIGN.md §2):
+fp32 arithmetic, bf16 storage (docs/model.md):
 1. prefix update: p = bf16(fp32(prefix) + fp32(delta)); a block write stores p to blocks[:, write_idx];
 2. logit of a source v: z(v) = rsqrt(mean(v²) + eps) · Σ_d v[d]·g[d]·w[d];
 3. mix = Σ_i softmax(z)_i · v_i over the saved blocks b_0..b_{K-1} and p;

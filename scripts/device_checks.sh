@@ -59,7 +59,9 @@ if wants tests; then
 fi
 for bench in attn_res all_reduce layer; do
   if wants "bench_$bench"; then
-    python3 "examples/bench_$bench.py" --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench_$bench.log" 2>&1
+    args_var="BENCH_${bench^^}_ARGS"  # e.g. BENCH_LAYER_ARGS, else BENCH_ARGS
+    python3 "examples/bench_$bench.py" --out "$OUT" ${!args_var:-${BENCH_ARGS:-}} \
+      > "$OUT/bench_$bench.log" 2>&1
     summary+=("bench_$bench: exit $?")
     cp "$OUT"/bench_"$bench"*.md "$RESULTS"/ 2>/dev/null
     grep -h -A40 "^|" "$OUT"/bench_"$bench"*.md 2>/dev/null || tail -n 20 "$OUT/bench_$bench.log"
@@ -89,11 +91,13 @@ if wants startup; then
 fi
 if wants sanitize; then
   # Each tool over the kernel families it applies to (racecheck: the shared-memory ones).
-  for run in "memcheck:" "synccheck:" "racecheck:--kinds attn_res,statistics,split,fused --batches 8" \
-             "initcheck:--tps 2 --batches 8"; do
-    tool=${run%%:*}
-    compute-sanitizer --tool "$tool" --report-api-errors no --print-limit 20 \
-      python3 scripts/sanitize_kernels.py ${run#*:} > "$OUT/sanitize_$tool.log" 2>&1
+  # Each TOOL:ARGS, the workload's arguments joined by "+" ($SANITIZE_TOOLS overrides them).
+  for run in ${SANITIZE_TOOLS:-memcheck: synccheck: racecheck:--kinds=attn_res,statistics,split,fused+--batches=8 initcheck:--tps=2+--batches=8}; do
+    tool=${run%%:*} workload=${run#*:}
+    # XLA's GEMM autotuner crashed under the tools (segfaults, H200, 2026-12-01): off here.
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout "${SANITIZE_TIMEOUT:-600}" \
+      compute-sanitizer --tool "$tool" --report-api-errors no --print-limit 20 \
+      python3 scripts/sanitize_kernels.py ${workload//+/ } > "$OUT/sanitize_$tool.log" 2>&1
     summary+=("sanitize $tool: exit $? | $(grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1) | $(grep -h 'sanitize_kernels:' "$OUT/sanitize_$tool.log")")
   done
 fi

@@ -40,7 +40,7 @@ def relative(got, want):
 
 
 def attn_res_case(rng, b):
-    inp = attn_res_inputs(rng, b, NB)
+    inp = jax.device_put(attn_res_inputs(rng, b, NB))
     args = (inp.prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w, inp.out_norm_w)
     got = k3.attn_res(*args, num_blocks=4, delta=inp.delta, write_idx=5, backend="kernel")[0]
     want = reference.attn_res(*args, num_blocks=4, delta=inp.delta, write_idx=5)[0]
@@ -48,7 +48,7 @@ def attn_res_case(rng, b):
 
 
 def statistics_case(rng, b):
-    inp = attn_res_inputs(rng, b, NB)
+    inp = jax.device_put(attn_res_inputs(rng, b, NB))
     got = k3.attn_res_statistics(inp.blocks, inp.res_norm_w, inp.res_proj_w, num_blocks=8,
                                  backend="kernel")
     want = reference.attn_res_statistics(inp.blocks, inp.res_norm_w, inp.res_proj_w,

@@ -73,7 +73,7 @@ def test_fused_grid_is_every_co_resident_cluster_it_needs():
     assert fused.OprojAttnResFused(4, 1536, variant, 60).clusters == 60
     many = AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5,
                           Reduction(MailboxSpec(MailboxLayout(8)), ranks=8))
-    assert fused.OprojAttnResFused(4, 1536, many, 60).clusters == 60
+    assert fused.OprojAttnResFused(4, 1536, many, residency.FALLBACK_CLUSTERS).clusters == 69
 
 
 @pytest.mark.parametrize("b,tp", [(1, 8), (8, 16), (16, 8), (64, 8), (8, 1), (1, 2), (2, 2)])

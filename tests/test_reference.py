@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import jax_kimik3 as k3
+from jax_kimik3 import reference
 from jax_kimik3.inputs import attn_res_inputs
 from tests import oracle
 
@@ -103,3 +104,36 @@ def test_oracle_tolerance_catches_a_one_percent_error(rng):
     bad[i] *= 1.01
     with pytest.raises(AssertionError, match="1 of"):
         oracle.assert_bf16_close(oracle.to_bf16(bad), want, "perturbed")
+
+
+def test_nan_stays_in_its_row(rng):
+    """A NaN in one row's input makes that row's out NaN (its norm and softmax mix every
+    column) and only its own element of the new prefix; the other rows are untouched."""
+    inp = attn_res_inputs(rng, 3, 8)
+    prefix = np.asarray(inp.prefix).copy()
+    prefix[1, 5] = np.nan
+    out, new_prefix, _ = reference.attn_res(jnp.asarray(prefix), inp.blocks, inp.res_norm_w,
+                                            inp.res_proj_w, inp.out_norm_w, num_blocks=4,
+                                            delta=inp.delta)
+    out, new_prefix = (np.asarray(a, np.float32) for a in (out, new_prefix))
+    assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all()
+    assert np.isnan(new_prefix).sum() == 1 and np.isnan(new_prefix[1, 5])
+
+
+@pytest.mark.parametrize("rms,finite_norm", [(2e16, True), (1e17, True), (6e17, False),
+                                             (2e19, False)])
+def test_rms_norm_range(rng, rms, finite_norm):
+    """The fp32 RMSNorm normalises rows whose RMS is below ~2e17 (mean(x²) must stay under the
+    fp32 maximum); above, mean(x²) overflows to inf and the row's out is 0 (README)."""
+    inp = attn_res_inputs(rng, 2, 8)
+    prefix = np.asarray(inp.prefix, np.float32)
+    prefix = prefix * (rms / np.sqrt(np.mean(prefix.astype(np.float64) ** 2, -1, keepdims=True)))
+    out = np.asarray(reference.attn_res(jnp.asarray(prefix, jnp.bfloat16), inp.blocks,
+                                        inp.res_norm_w, inp.res_proj_w, inp.out_norm_w,
+                                        num_blocks=0)[0], np.float32)
+    assert np.isfinite(out).all()
+    rms_out = np.sqrt(np.mean(out.astype(np.float64) ** 2, -1))
+    if finite_norm:  # out_norm_w ~ 1: unit RMS
+        assert ((rms_out > 0.5) & (rms_out < 2)).all()
+    else:
+        assert (out == 0).all()

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import functools
 
-# Clusters of 7 CTAs of 256 threads, 4 per SM, resident at once on an H200 (driver query,
-# benchmarks/RESULTS.md, 2026-12-01); a lower bound until measured: 4 x 15 one-CTA clusters.
-FALLBACK_CLUSTERS = 60
+# Clusters of 7 CTAs of 256 threads, 4 per SM, resident at once on an H200: this module's
+# query there (benchmarks/RESULTS.md, 2026-12-01; 15 at one CTA per SM).
+FALLBACK_CLUSTERS = 69
 _PROBE_PTX = (b".version 8.0\n.target sm_90a\n.address_size 64\n"
               b".visible .entry k3_residency_probe()\n{\n\tret;\n}\n\0")
 _RESERVED_SMEM = 1024  # per CTA, taken by the system on sm_90
