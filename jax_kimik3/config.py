@@ -28,7 +28,7 @@ class CallSite:
     write_idx: int = -1
 
 
-def _integer(name, value, low, high=None) -> int:
+def check_int(name, value, low, high=None) -> int:
     """`value` as an int in [low, high]; a ValueError names it otherwise (bools refused)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name}={value!r} must be an integer")
@@ -66,7 +66,7 @@ class KimiK3Config:
     def __post_init__(self):
         for field in ("hidden_size", "num_layers", "attn_res_block_size", "o_proj_in_features",
                       "mla_period", "mailbox_capacity"):
-            _integer(field, getattr(self, field), 1)
+            check_int(field, getattr(self, field), 1)
         eps = self.rms_norm_eps
         if (isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps)
                 or not eps > 0):
@@ -79,14 +79,14 @@ class KimiK3Config:
 
     def o_proj_local_features(self, tp: int) -> int:
         """K of one rank's o_proj shard at tensor parallelism `tp`."""
-        _integer("tp", tp, 1)
+        check_int("tp", tp, 1)
         if self.o_proj_in_features % tp:
             raise ValueError(f"tp={tp} must divide o_proj_in_features={self.o_proj_in_features}")
         return self.o_proj_in_features // tp
 
     def layer(self, index: int) -> LayerPlan:
         """The plan of decoder layer `index` (0-based)."""
-        index = _integer("layer index", index, 0, self.num_layers - 1)
+        index = check_int("layer index", index, 0, self.num_layers - 1)
         size = self.attn_res_block_size
         write = index % size == 0
         write_idx = index // size if write else -1
@@ -106,7 +106,7 @@ class KimiK3Config:
 
     def final(self, num_layers: int | None = None) -> CallSite:
         """The AttnRes after the last layer (after `num_layers` layers; all of them by default)."""
-        n = self.num_layers if num_layers is None else _integer("num_layers", num_layers, 1,
+        n = self.num_layers if num_layers is None else check_int("num_layers", num_layers, 1,
                                                                   self.num_layers)
         blocks = math.ceil(n / self.attn_res_block_size)
         return CallSite("final", "output_attn_res_norm", "output_attn_res_proj", "norm",

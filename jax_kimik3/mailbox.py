@@ -40,7 +40,7 @@ import weakref
 
 import numpy as np
 
-from jax_kimik3.config import KIMI_K3
+from jax_kimik3.config import KIMI_K3, check_int
 
 SENTINEL = 0x80000000  # fp32 -0: a mailbox word no producer can publish (bf16 -0 becomes +0)
 BUFFERS = 2  # slot buffers; a call uses buffer `calls % 2` (docs/protocol.md: why two suffice)
@@ -68,16 +68,6 @@ WAITERS = {1: "all-reduce consumer", 2: "two-shot owner", 3: "AttnRes tail consu
 
 def _align(n, to=_ALIGN):
     return (n + to - 1) // to * to
-
-
-def check_int(name, value, low, high=None):
-    """`value` must be an int (not a bool) in [low, high]; a ValueError names it otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}={value!r} must be an integer")
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name}={value} must be {bound}")
-    return int(value)
 
 
 def check_timeout_ms(value) -> float:
