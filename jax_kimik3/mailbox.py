@@ -315,10 +315,6 @@ class Mailbox:
         return self.spec.timeout_ms
 
     @property
-    def virtual_tp(self) -> bool:
-        return self.spec.virtual
-
-    @property
     def closed(self) -> bool:
         return not self._buffers
 
