@@ -16,8 +16,9 @@ from jax_kimik3 import reference
 from jax_kimik3.backend import Backend, use_kernels
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.statistics import AttnResStatistics
-from jax_kimik3.validation import (CAPACITY, Checker, check_attn_res, check_axis, check_backend,
-                                   check_blocks, check_mailbox, check_rows, check_weights)
+from jax_kimik3.validation import (Checker, check_attn_res, check_axis, check_backend,
+                                   check_blocks, check_fits, check_mailbox, check_rows,
+                                   check_weights)
 
 EPS = KIMI_K3.rms_norm_eps
 
@@ -229,13 +230,7 @@ def _check_tail(check, x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
         spec = check_mailbox(check, mailbox, peer_table, axis_name=axis_name, axis_size=ranks,
                              virtual=virtual)
         if spec is not None and rows is not None:
-            if rows[0] <= CAPACITY:  # larger: check_attn_res said so
-                check.batch("prefix", rows[0], spec.layout.capacity)
-            if rows[1] != spec.layout.hidden:
-                check.fail(f"prefix has H={rows[1]}; the mailbox's rows have "
-                           f"hidden={spec.layout.hidden}")
-            if virtual and ranks != spec.tp:
-                check.fail(f"x has TP={ranks} shards; the mailbox has tp={spec.tp}")
+            check_fits(check, "prefix", rows, spec, virtual=virtual, ranks=ranks)
     elif backend == "kernel":
         check.fail("backend='kernel' needs mailbox= (the all-reduce's peer buffers)")
 
@@ -306,11 +301,5 @@ def _check_reduce(check, rows, name, mailbox, peer_table, two_shot, *, ranks, ax
     shape = check_rows(check, name, rows)
     spec = check_mailbox(check, mailbox, peer_table, axis_name=axis_name, axis_size=ranks,
                          virtual=virtual)
-    if spec is None or shape is None:
-        return
-    if shape[0] <= CAPACITY:  # larger: check_rows said so
-        check.batch(name, shape[0], spec.layout.capacity)
-    if shape[1] != spec.layout.hidden:
-        check.fail(f"{name} has H={shape[1]}; the mailbox's rows have hidden={spec.layout.hidden}")
-    if virtual and ranks != spec.tp:
-        check.fail(f"partials has TP={ranks} shards; the mailbox has tp={spec.tp}")
+    if spec is not None and shape is not None:
+        check_fits(check, name, shape, spec, virtual=virtual, ranks=ranks, shards="partials")

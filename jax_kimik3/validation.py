@@ -239,6 +239,17 @@ def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
     return spec
 
 
+def check_fits(check, name, shape, spec, *, virtual=False, ranks=None, shards="x"):
+    """Rows of `shape` (B, H), already checked against CAPACITY, fit the mailbox of `spec`;
+    in virtual TP its tp is the `ranks` of the `shards` argument."""
+    if shape[0] <= CAPACITY:  # larger: the row check said so
+        check.batch(name, shape[0], spec.layout.capacity)
+    if shape[1] != spec.layout.hidden:
+        check.fail(f"{name} has H={shape[1]}; the mailbox's rows have hidden={spec.layout.hidden}")
+    if virtual and ranks != spec.tp:
+        check.fail(f"{shards} has TP={ranks} shards; the mailbox has tp={spec.tp}")
+
+
 def _check_device_order(check, mailbox, axis_name):
     """Where the concrete mesh is known (jax.set_mesh / use_mesh), rank r of `axis_name` must
     run on the device of the mailbox's buffer r."""
