@@ -2,8 +2,9 @@
 # Every GPU check and benchmark of the project, in one call on a device machine:
 #   device run (carry [".device"]):  bash scripts/device_checks.sh [TARGETS] [pytest args]
 # TARGETS: comma-separated, of tests, bench (every benchmark), bench_<name>, decode, startup,
+# profile (Nsight Compute over the sanitizer workload, $PROFILE_ARGS),
 # sanitize (compute-sanitizer's memcheck, synccheck, racecheck and initcheck over every kernel
-# family: scripts/sanitize_kernels.py); all (the default) is every one but sanitize. Extra
+# family: scripts/sanitize_kernels.py); all (the default) is every one but sanitize and profile. Extra
 # arguments go to pytest, e.g. -k lamport; $BENCH_ARGS to the benchmarks, e.g.
 # BENCH_ARGS="--parts tail". With several GPUs the mesh tests run and the all-reduce and layer
 # benchmarks use a real TP mesh. They need .device/cutedsl.tar.xz (make it with the
@@ -20,7 +21,7 @@ RESULTS=$OUT; OUT=$OUT/details; mkdir -p "$OUT"  # logs travel back as one archi
 pack() { tar czf "$RESULTS/details.tgz" -C "$RESULTS" details && rm -rf "$RESULTS/details"; }
 trap pack EXIT
 targets=",${1:-all},"
-wants() { [[ ($targets == *",all,"* && $1 != sanitize) || $targets == *",$1,"* || ($1 == bench_* && $targets == *",bench,"*) ]]; }
+wants() { [[ ($targets == *",all,"* && $1 != sanitize && $1 != profile) || $targets == *",$1,"* || ($1 == bench_* && $targets == *",bench,"*) ]]; }
 summary=()
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $targets == *",aot,"* ]]; then
@@ -100,6 +101,18 @@ if wants sanitize; then
       python3 scripts/sanitize_kernels.py ${workload//+/ } > "$OUT/sanitize_$tool.log" 2>&1
     summary+=("sanitize $tool: exit $? | $(grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1) | $(grep -h 'sanitize_kernels:' "$OUT/sanitize_$tool.log")")
   done
+fi
+if wants profile; then
+  # Nsight Compute over the sanitizer's workload ($PROFILE_ARGS, e.g. "--kinds split --tps 2
+  # --batches 8"): one pass per kernel (duration, DRAM bytes read, launch shape), clocks as
+  # they run, caches flushed before each kernel; the table lists the kernels of the workload.
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" ncu --clock-control none \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
+    -f -o "$OUT/profile" python3 scripts/sanitize_kernels.py --timeout-ms 5000 \
+    ${PROFILE_ARGS:---kinds split --tps 2 --batches 8} > "$OUT/profile.log" 2>&1
+  ncu --import "$OUT/profile.ncu-rep" --csv --page raw > "$OUT/profile.csv" 2>>"$OUT/profile.log"
+  python3 scripts/profile_table.py "$OUT/profile.csv" | tee "$RESULTS/profile.md"
+  summary+=("profile: $(grep -h 'sanitize_kernels:' "$OUT/profile.log")")
 fi
 grep -E "FAILED|Error" "$OUT/gpu_tests.log" 2>/dev/null | head -n 20
 printf '%s\n' "${summary[@]}" | tee "$RESULTS/summary.txt"

@@ -1,6 +1,7 @@
 """Helpers of the CPU tests that lower kernels for CUDA (docs/kernels.md: the kernel bridge)."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,12 @@ def kept_ptx(script, tmp_path, devices=1):
     subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, check=True,
                    timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+
+
+def entries(ptx):
+    """(name, body) of every kernel entry in `ptx`."""
+    for entry in re.split(r"\.entry ", ptx)[1:]:
+        yield entry.split("(")[0], entry[entry.find("{"):]
 
 
 def kernel_calls(f, *args):

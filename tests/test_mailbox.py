@@ -1,6 +1,7 @@
 """CPU: mailbox layout arithmetic, the multicast refusal, and the Lamport kernels' lowering."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
-from tests.lowering import kept_ptx
+from tests.lowering import entries, kept_ptx
 from jax_kimik3.mailbox import (BUFFERS, CONTROL, MULTICAST_OFF, SENTINEL, Mailbox,
                                 MailboxLayout, MailboxSpec, peer_table, refuse_multicast)
 
@@ -208,7 +209,7 @@ def test_virtual_tail_lowers_to_the_table_variant(b, tp):
 MEMORY_MODEL = [  # (what the PTX must hold, why)
     ("ld.relaxed.sys.global.v4.u32", "every poll is a strong system-scope load"),
     ("st.relaxed.sys.global.v4.b32", "publish and re-arm stores are strong at system scope"),
-    ("fence.acq_rel.sys", "a publisher fences before its first mailbox store of a call"),
+    ("fence.acq_rel.sys", "publishing kernels fence (release) before their stores"),
     ("%globaltimer", "waits are bounded by time"),
     ("atom.acq_rel.gpu.global.add.u32", "the last CTA advances the call counter"),
     ("red.relaxed.gpu.global.or.b32", "a timeout records the missing ranks"),
@@ -242,3 +243,9 @@ jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     for text, why in MEMORY_MODEL:
         assert text in ptx, why
     assert "ld.volatile" not in ptx
+    publishers = [(name, body) for name, body in entries(ptx) if any(
+        k in name for k in ("cutlass_publish_", "OprojProducer", "OprojAttnResFused"))]
+    assert publishers
+    for name, body in publishers:  # the release fence comes first, before any global access
+        first = re.search(r"\b(ld|st|atom|red)\.(global|relaxed|acq|release)", body)
+        assert 0 <= body.find("fence.acq_rel.sys") < first.start(), name

@@ -25,7 +25,7 @@ from jax_kimik3.kernels.attn_res import HIDDEN
 from jax_kimik3.kernels.attn_res_ops import AttnResVariant
 from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, ROWS,
                                          THREADS, WARP)
-from jax_kimik3.kernels.primitives import finish_call, vectors
+from jax_kimik3.kernels.primitives import fence_system, finish_call, vectors
 from jax_kimik3.kernels.producer_ops import Publish, tiles
 
 PRODUCER_CTAS = HIDDEN // ROWS  # 448 producer items per rank
@@ -88,6 +88,7 @@ class OprojAttnResFused:
                res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w,
                table: cute.Tensor, ranks: cute.Tensor, out: cute.Tensor,
                new_prefix: cute.Tensor):
+        fence_system()  # release: the earlier kernels' re-arms before the publish
         tidx, _, _ = cute.arch.thread_idx()
         cta, cluster, _ = cute.arch.block_idx()
         ctas = CLUSTER * self.clusters

@@ -6,7 +6,8 @@ module the layout). Every kernel first reads its rank's control words: the call 
 the buffer (calls % 2), FAILED set means the mailbox gave up earlier (no waits, NaN out).
 One-shot
 1. publish: r's rows, each bf16 -0 rewritten to +0, go to slot r of every rank's mailbox
-   (multicast: one multimem store lands in all of them), after a system-scope fence;
+   (multicast: one multimem store lands in all of them); every thread of a publishing
+   kernel runs a system-scope fence first, at the kernel's start;
 2. consume: r polls its T slots (strong loads, raw-bit compares with SENTINEL) until every
    word has landed, sums the slots in rank order in fp32 (every rank gets bitwise-identical
    rows), rounds to bf16, re-arms the slots; the last CTA advances the call counters.
@@ -74,10 +75,11 @@ def publish_words(words, wait, rank, row, vec, *, two_shot: cutlass.Constexpr,
     """Publish vector `vec` (8 bf16, -0 already rewritten) of rank `rank`'s row `row` in the
     call of `wait`: one-shot into slot `rank` of every rank (multicast: one store), two-shot
     into slot `rank` of the receive region of the owner of the vector's column chunk. Nothing
-    on a failed mailbox."""
+    on a failed mailbox. The calling thread ran `fence_system` at its kernel's start: the
+    release that orders its rank's earlier kernels (the last call's re-arms) before these
+    stores."""
     lay = wait.layout
     if wait.failed == Int32(0):
-        fence_system()  # this rank's re-arms of the last call before this call's rows
         if cutlass.const_expr(not two_shot):
             offset = (Int64(lay.slot(wait.buffer, rank, row)) + Int64(vec) * VECTOR_BYTES)
             store_everywhere(words, wait.table, offset, tp=lay.tp, multicast=multicast)
@@ -125,6 +127,7 @@ class AllReduce:
 
     @cute.kernel
     def publish(self, rows: cute.Tensor, table: cute.Tensor, ranks: cute.Tensor, batch: Int32):
+        fence_system()  # release: the earlier kernels' re-arms before this kernel's stores
         lay = self.layout
         _, row, vec = _item(lay.hidden // VECTOR)
         if row < self.ranks * batch:

@@ -5,10 +5,14 @@ Memory semantics of the mailbox (docs/protocol.md has the argument):
 - every store a peer polls for (publish, the two-shot owner's gather store, re-arm, the
   FAILED word) is a strong `st.relaxed.sys`; every poll a strong `ld.relaxed.sys`, which
   re-reads memory each time: no data race in PTX's memory model, no cached copy;
-- a publisher runs `fence.acq_rel.sys` before its first mailbox store of a call: its rank's
-  re-arms of the previous call (earlier kernels of the stream) are ordered before the publish
-  at system scope, and what it observed of its peers' previous rows is acquired first, so no
-  peer can see this call's rows, publish the next call's into a slot this rank still re-arms;
+- every thread of a publishing kernel runs `fence.acq_rel.sys` first, at the kernel's start:
+  the earlier kernels of its stream (the previous call's polls and re-arms) are complete when
+  it starts, and the fence followed by the thread's strong stores is a release pattern, so the
+  re-arms are ordered before the publish at system scope and what those polls observed of the
+  peers' rows is acquired first: no peer can see this call's rows and publish the next call's
+  into a slot this rank still re-arms. (At the start the thread has nothing in flight, so the
+  fence costs little; before the publish it waited for the GEMM's loads.) The two-shot owner
+  fences between its poll and its gather store, which it makes from what it polled;
 - control words of this rank (call counter, arrivals) are read and written by this rank's
   kernels only, ordered by kernel boundaries and GPU-scope atomics.
 """

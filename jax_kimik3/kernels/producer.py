@@ -30,7 +30,7 @@ from jax_kimik3.kernels.geometry import PRODUCER_WARPS as WARPS
 from jax_kimik3.kernels.geometry import ROWS, TOKENS
 from jax_kimik3.kernels.lamport import publish_words
 from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, call_of, f32_to_words,
-                                           load_words, mma_bf16, stream_words, store_words,
+                                           fence_system, load_words, mma_bf16, stream_words, store_words,
                                            without_negative_zero)
 from jax_kimik3.kernels.producer_ops import Publish
 
@@ -78,6 +78,8 @@ class OprojProducer:
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, w: cute.Tensor, table, ranks, out, batch: Int32):
+        if cutlass.const_expr(self.publish is not None):
+            fence_system()  # release: the earlier kernels' re-arms before the publish
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         i = block // self.ctas_per_rank
