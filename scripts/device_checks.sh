@@ -4,8 +4,9 @@
 # TARGETS: comma-separated, of tests, bench (every benchmark), bench_<name>, decode, startup,
 # profile (Nsight Compute over the sanitizer workload, $PROFILE_ARGS),
 # sanitize (compute-sanitizer's memcheck, synccheck, racecheck and initcheck over every kernel
-# family: scripts/sanitize_kernels.py); all (the default) is every one but sanitize and profile. Extra
-# arguments go to pytest, e.g. -k lamport; $BENCH_ARGS to the benchmarks, e.g.
+# family: scripts/sanitize_kernels.py); all (the default) is every one but sanitize and
+# profile. Extra arguments go to pytest, e.g. -k lamport ($TESTS: its files, default tests/;
+# $TEST_WORKERS: xdist workers, default 8); $BENCH_ARGS to the benchmarks, e.g.
 # BENCH_ARGS="--parts tail". With several GPUs the mesh tests run and the all-reduce and layer
 # benchmarks use a real TP mesh. They need .device/cutedsl.tar.xz (make it with the
 # make-cutedsl-bundle script of the team's device tools; README, "Device checks"). Results go
@@ -51,10 +52,13 @@ print(f'{l.path}: {len(l.register())} handlers registered, {l.arch}, DSL {l.dsl}
   targets=${targets//,aot,/,}
   if [[ $targets == "," ]]; then printf '%s\n' "${summary[@]}" | tee "$RESULTS/summary.txt"; exit 0; fi
 fi
-mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site || exit 1
+# Unpacked once per machine (a second run of this script, even alongside, finds it there).
+if [[ ! -f /tmp/site/.unpacked ]]; then
+  mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site && touch /tmp/site/.unpacked || exit 1
+fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 if wants tests; then
-  python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 --timeout=600 --maxfail=30 tests/ "${@:2}" \
+  python3 -m pytest -m gpu -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" --timeout=600 --maxfail=30 ${TESTS:-tests/} "${@:2}" \
     > "$OUT/gpu_tests.log" 2>&1
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
