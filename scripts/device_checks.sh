@@ -65,7 +65,7 @@ fi
 for bench in attn_res all_reduce layer; do
   if wants "bench_$bench"; then
     args_var="BENCH_${bench^^}_ARGS"  # e.g. BENCH_LAYER_ARGS, else BENCH_ARGS
-    python3 "examples/bench_$bench.py" --out "$OUT" ${!args_var:-${BENCH_ARGS:-}} \
+    python3 -m "benchmarks.bench_$bench" --out "$OUT" ${!args_var:-${BENCH_ARGS:-}} \
       > "$OUT/bench_$bench.log" 2>&1
     summary+=("bench_$bench: exit $?")
     cp "$OUT"/bench_"$bench"*.md "$RESULTS"/ 2>/dev/null

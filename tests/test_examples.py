@@ -24,3 +24,13 @@ def test_decode_loop_runs(ranks):
                      result.stdout)
     checksum = float(re.search(r"checksum (\S+)", result.stdout).group(1))
     assert checksum == checksum and abs(checksum) < 1e6  # finite and of a sane size
+
+
+@pytest.mark.parametrize("bench", ["bench_attn_res", "bench_all_reduce", "bench_layer"])
+def test_benchmark_runs_as_a_module_and_says_it_needs_a_gpu(tmp_path, bench):
+    """`python -m benchmarks.<bench>` imports (no sys.path edits) and, on CPU, stops with why."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{bench}", "--out", str(tmp_path)],
+                            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode != 0
+    assert f"{bench} needs a GPU" in result.stderr, result.stderr[-2000:]

@@ -17,15 +17,14 @@ tail --variants fused,split[,xla,two_shot]: the kernel tail's variants side by s
 Each call's x waits for the previous call's result (x + 0·y[:, :1], as through attention in
 decode; a ~1 µs fusion on both sides), and the input sets together overflow the L2. Writes bench_layer_oproj/_tail .json and .md to --out.
 
-    python examples/bench_layer.py --out /tmp/bench
-    python examples/bench_layer.py --parts tail --variants fused,split,xla --batches 1,2,4,8,16
+    python -m benchmarks.bench_layer --out /tmp/bench
+    python -m benchmarks.bench_layer --parts tail --variants fused,split,xla --batches 1,2,4,8,16
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 
@@ -35,12 +34,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(__file__))
-import jax_kimik3 as k3  # noqa: E402
-import report  # noqa: E402
-from jax_kimik3 import reference  # noqa: E402
-from jax_kimik3.inputs import attn_res_inputs, oproj_inputs  # noqa: E402
-from timing import copy_bandwidth, time_per_call, with_xla_one_shot  # noqa: E402
+import jax_kimik3 as k3
+from benchmarks import report
+from benchmarks.timing import copy_bandwidth, time_per_call, with_xla_one_shot
+from jax_kimik3 import reference
+from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 
 CFG = k3.KIMI_K3
 H, K_TOTAL, NB = CFG.hidden_size, CFG.o_proj_in_features, CFG.num_attn_res_blocks

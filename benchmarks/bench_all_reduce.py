@@ -9,14 +9,13 @@
   summing [TP, B, H] there. This measures the protocol's cost, not NVLink.
 Writes bench_all_reduce_<mode>.json and .md to --out.
 
-    python examples/bench_all_reduce.py --out /tmp/bench
+    python -m benchmarks.bench_all_reduce --out /tmp/bench
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import jax
@@ -25,11 +24,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(__file__))
-import jax_kimik3 as k3  # noqa: E402
-import report  # noqa: E402
-from jax_kimik3 import reference  # noqa: E402
-from timing import time_per_call, with_xla_one_shot  # noqa: E402
+import jax_kimik3 as k3
+from benchmarks import report
+from benchmarks.timing import time_per_call, with_xla_one_shot
+from jax_kimik3 import reference
 
 H = k3.KIMI_K3.hidden_size
 

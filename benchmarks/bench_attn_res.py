@@ -4,24 +4,22 @@ For each batch B and saved-block count K: median µs per call inside one jit (in
 achieved GB/s, the floor (bytes moved over the measured copy bandwidth), the speedup over the
 reference and the kernel's time over (floor + 2 µs). Writes bench_attn_res.json and .md to --out.
 
-    python examples/bench_attn_res.py --out /tmp/bench
+    python -m benchmarks.bench_attn_res --out /tmp/bench
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-import jax_kimik3 as k3  # noqa: E402
-from jax_kimik3.inputs import attn_res_inputs  # noqa: E402
-import report  # noqa: E402
-from timing import copy_bandwidth, time_per_call  # noqa: E402
+import jax_kimik3 as k3
+from benchmarks import report
+from benchmarks.timing import copy_bandwidth, time_per_call
+from jax_kimik3.inputs import attn_res_inputs
 
 H, NB = k3.KIMI_K3.hidden_size, k3.KIMI_K3.num_attn_res_blocks
 
