@@ -15,7 +15,7 @@ every N steps and stops with what it says (a peer that never came, in which call
 Ahead of time: `--export step.bin` writes the kernel step for CUDA (`jax.export`; this works
 on a CPU host too: the kernels compile for sm_90a there) and stops; `--load step.bin` runs
 that artifact instead of tracing the step, on GPUs, without compiling a kernel (and without
-the CuTe DSL: see jax_kimik3/aot.py). Kernel runs take JAX_KIMIK3_KERNELS (jit, aot: the
+the CuTe DSL: see jax_kimik3/export.py). Kernel runs take JAX_KIMIK3_KERNELS (jit, aot: the
 prebuilt library, or auto) and print the time from process start to the first step done.
 """
 
@@ -158,17 +158,17 @@ def make_step(mesh, params, num_layers, backend, mailbox, stats_ahead=False, vir
 
 def export_step(path, mesh, params, embedding, blocks, num_layers, virtual_tp=None):
     """Write the kernel step for CUDA to `path`, the peer table an operand."""
-    from jax_kimik3 import aot
+    from jax_kimik3 import export
 
     ranks = virtual_tp or mesh.size
     spec = k3.MailboxSpec(k3.MailboxLayout(ranks))
     step = make_step(mesh, params, num_layers, "kernel", spec, virtual_tp=virtual_tp)
     table = jax.ShapeDtypeStruct((ranks + 1, 2), jnp.uint32, sharding=NamedSharding(mesh, P()))
-    exported = aot.export(step, params, embedding, blocks, table)
+    exported = export.export(step, params, embedding, blocks, table)
     data = exported.serialize()
     with open(path, "wb") as f:
         f.write(data)
-    kernels = exported.mlir_module().count(f"custom_call @{aot.FFI_TARGET}")
+    kernels = exported.mlir_module().count(f"custom_call @{export.FFI_TARGET}")
     print(f"exported the {num_layers}-layer kernel step for {exported.nr_devices} CUDA devices "
           f"({kernels} kernel custom calls, each carrying its kernel): "
           f"{len(data) / 2**10:.0f} KiB to {path}")
@@ -220,11 +220,11 @@ def main(argv=None):
                                                         NamedSharding(mesh, P()))
     ready = process_seconds()  # imports, weights and mailbox in place
     if args.load:
-        from jax_kimik3 import aot
+        from jax_kimik3 import export
 
         with open(args.load, "rb") as f:
             # Under jit, calls take JAX's compiled fast path, not the primitive's dispatch.
-            step = jax.jit(aot.load(f.read()).call)
+            step = jax.jit(export.load(f.read()).call)
     else:
         step = make_step(mesh, params, args.layers, args.backend,
                          None if mailbox is None else mailbox.spec, args.stats_ahead,

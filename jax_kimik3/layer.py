@@ -27,7 +27,7 @@ class AttnResWeights(NamedTuple):
     out_norm_w: Any
 
 
-# Exported steps (jax_kimik3.aot) keep their argument pytrees: name this one for them.
+# Exported steps (jax_kimik3.export) keep their argument pytrees: name this one for them.
 jax.export.register_namedtuple_serialization(AttnResWeights,
                                              serialized_name="jax_kimik3.AttnResWeights")
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_kimik3.config import KIMI_K3
+
 F32, BF16 = jnp.float32, jnp.bfloat16
+EPS = KIMI_K3.rms_norm_eps  # RMSNorm's epsilon, logits' and output norm's alike
 
 
 def round_bf16(x):
@@ -68,7 +71,7 @@ def combine(mixture, scal, p, z_p):
 
 
 def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, delta=None,
-             write_idx=-1, eps=1e-5, out_eps=1e-5, stats=None):
+             write_idx=-1, eps=EPS, out_eps=EPS, stats=None):
     """(out [B, H] bf16, new_prefix [B, H] bf16, new_blocks [B, NB, H] bf16); see the module docstring.
 
     `stats` = (mixture, scal) of blocks[:, :num_blocks] replaces the softmax over the saved blocks.
@@ -103,7 +106,7 @@ def all_reduce_ranks(partials):
 
 
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
-                   num_blocks, has_delta, eps=1e-5, out_eps=1e-5):
+                   num_blocks, has_delta, eps=EPS, out_eps=EPS):
     """Post-attention tail inside shard_map: o_proj partial, all-reduce, AttnRes.
 
     With `has_delta` the reduced attn_out is the delta of `prefix`; without it attn_out starts
@@ -115,7 +118,7 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
 
 
 def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
-                           num_blocks, has_delta, eps=1e-5, out_eps=1e-5):
+                           num_blocks, has_delta, eps=EPS, out_eps=EPS):
     """`oproj_attn_res` of every rank on one device: x [TP, B, K/TP], w [TP, H, K/TP]."""
     return post_attention(all_reduce_ranks(jax.vmap(oproj_partial)(x, w)), prefix, blocks,
                           res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks,

@@ -39,7 +39,7 @@ class AttnResStatistics:
         return cls(*children, num_blocks)
 
 
-# Exported steps (jax_kimik3.aot) keep their argument and result pytrees: name this one.
+# Exported steps (jax_kimik3.export) keep their argument and result pytrees: name this one.
 jax.export.register_pytree_node_serialization(
     AttnResStatistics, serialized_name="jax_kimik3.AttnResStatistics",
     serialize_auxdata=lambda num_blocks: str(num_blocks).encode(),

@@ -114,16 +114,16 @@ def test_unknown_variant_is_refused():
 def test_fused_refuses_what_it_does_not_do():
     from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
     one_shot = Reduction(MailboxSpec(MailboxLayout(8)))
-    ring = AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5, one_shot)
+    consumer = AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5, one_shot)
     with pytest.raises(ValueError, match="must complete a one-shot reduction"):
         fused.OprojAttnResFused(8, 1536, AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5), 60)
     with pytest.raises(ValueError, match="must complete a one-shot reduction"):
         fused.OprojAttnResFused(8, 1536, AttnResVariant(
             4, True, -1, True, False, 1e-5, 1e-5, Reduction(one_shot.spec, 1, True)), 60)
     with pytest.raises(ValueError, match="o_proj producer"):
-        fused.OprojAttnResFused(65, 1536, ring, 60)
+        fused.OprojAttnResFused(65, 1536, consumer, 60)
     with pytest.raises(ValueError, match="clusters=0 must be >= 1"):
-        fused.OprojAttnResFused(8, 1536, ring, 0)
+        fused.OprojAttnResFused(8, 1536, consumer, 0)
 
 
 def test_fused_ptx(tmp_path):

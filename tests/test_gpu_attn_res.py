@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 BATCHES = (1, 2, 7, 8, 16, 33, 64)
 KS = (0, 1, 4, 8)
-NB = 8
+H, NB = k3.KIMI_K3.hidden_size, k3.KIMI_K3.num_attn_res_blocks
 VARIANTS = list(itertools.product((True, False), (False, True), (True, False), (False, True)))
 VARIANT_IDS = ["-".join(n for n, on in zip(("delta", "write", "norm", "stats"), v) if on) or "plain"
                for v in VARIANTS]
@@ -59,7 +59,7 @@ def test_attn_res_kernel_matches_reference(rng, b, k, variant):
     if write and k == NB:
         pytest.skip("no slot left to write after 8 saved blocks")
     inp = jax.device_put(attn_res_inputs(rng, b, NB))
-    poison = (poisoned((b, 7168), jnp.bfloat16), poisoned((b, 7168), jnp.bfloat16))
+    poison = (poisoned((b, H), jnp.bfloat16), poisoned((b, H), jnp.bfloat16))
     static = dict(num_blocks=k, has_delta=has_delta, write_idx=k if write else -1,
                   out_norm=out_norm, precomputed=precomputed)
     out, prefix, blocks = run(inp, poison, **static, use_kernel=True)
@@ -78,7 +78,7 @@ def test_statistics_kernel_matches_reference(rng, b, k):
     from jax_kimik3.kernels import attn_res_ops as kernels
 
     inp = jax.device_put(attn_res_inputs(rng, b, NB))
-    into = (poisoned((b, 7168), jnp.float32), poisoned((b, 2), jnp.float32))
+    into = (poisoned((b, H), jnp.float32), poisoned((b, 2), jnp.float32))
     got = jax.jit(lambda i, p: kernels.attn_res_statistics(
         i.blocks, i.res_norm_w, i.res_proj_w, num_blocks=k, eps=1e-5, into=p))(inp, into)
     want = jax.jit(lambda i: reference.attn_res_statistics(
@@ -99,8 +99,8 @@ def test_statistics_ahead_match_reference(rng, b, k):
     from jax_kimik3.kernels import attn_res_ops as kernels
 
     inp, later = (jax.device_put(attn_res_inputs(rng, b, NB)) for _ in range(2))
-    into = (poisoned((b, 7168), jnp.bfloat16), poisoned((b, 7168), jnp.bfloat16),
-            poisoned((b, 7168), jnp.float32), poisoned((b, 2), jnp.float32))
+    into = (poisoned((b, H), jnp.bfloat16), poisoned((b, H), jnp.bfloat16),
+            poisoned((b, H), jnp.float32), poisoned((b, 2), jnp.float32))
     args = lambda i: (i.prefix, i.blocks, i.res_norm_w, i.res_proj_w, i.out_norm_w)
     static = dict(num_blocks=k, write_idx=-1, eps=1e-5, out_eps=1e-5, stats=None)
     out, prefix, _, (mixture, scal) = jax.jit(lambda i, j, p: kernels.attn_res(

@@ -17,7 +17,7 @@ from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 from tests import oracle
 
 pytestmark = pytest.mark.gpu
-H, NB = 7168, 8
+H, NB = k3.KIMI_K3.hidden_size, k3.KIMI_K3.num_attn_res_blocks
 
 
 @pytest.fixture(scope="module")

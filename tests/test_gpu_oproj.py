@@ -1,6 +1,6 @@
 """GPU: the o_proj producer against the float64 model, and the post-attention tail on kernels
 in virtual TP against the model: the split tail (producer publish or XLA dot + publish, then
-the AttnRes ring consumer) and the fused tail (one launch; `-k fused` runs those alone)."""
+the AttnRes consumer) and the fused tail (one launch; `-k fused` runs those alone)."""
 
 import functools
 
@@ -106,7 +106,7 @@ def check_tail_virtual(rng, mailbox, b, layer, variant):
 @pytest.mark.parametrize("tp", TPS)
 def test_tail_matches_model(rng, tp, b, layer):
     """The split tail as the measured table had it before the fused kernel: the producer kernel
-    where it wins, else XLA's dot + publish; then the AttnRes ring consumer. Every slot
+    where it wins, else XLA's dot + publish; then the AttnRes consumer. Every slot
     re-armed afterwards."""
     from jax_kimik3.tuning import use_producer
     with Mailbox.virtual(jax.devices()[0], tp) as mailbox:

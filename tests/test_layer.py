@@ -13,7 +13,7 @@ import jax_kimik3 as k3
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 from tests import oracle
 
-NB = 8
+H, NB = k3.KIMI_K3.hidden_size, k3.KIMI_K3.num_attn_res_blocks
 
 
 def weights(inp):
@@ -128,7 +128,7 @@ def test_post_attention_virtual(rng, index, ahead):
         xs, ws, inp.prefix, inp.blocks, *weights(inp), num_blocks=site.num_blocks,
         has_delta=site.has_delta, ahead=(later.res_norm_w, later.res_proj_w) if ahead else None)
     out, prefix = map(np.asarray, results[:2])
-    assert out.shape == prefix.shape == (tp, b, 7168)
+    assert out.shape == prefix.shape == (tp, b, H)
     for r in range(tp):
         np.testing.assert_array_equal(out[r], out[0])
     oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=tp, num_blocks=site.num_blocks,

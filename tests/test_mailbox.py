@@ -15,7 +15,8 @@ from tests.lowering import entries, kept_ptx
 from jax_kimik3.mailbox import (BUFFERS, CONTROL, MULTICAST_OFF, SENTINEL, Mailbox,
                                 MailboxLayout, MailboxSpec, peer_table, refuse_multicast)
 
-H, C = 7168, 64
+H, C = k3.KIMI_K3.hidden_size, k3.KIMI_K3.mailbox_capacity
+K_TOTAL = k3.KIMI_K3.o_proj_in_features
 ROW = H * 2
 
 
@@ -157,11 +158,11 @@ def test_oproj_attn_res_kernels_lower_under_shard_map(has_delta, b):
         functools.partial(k3.oproj_attn_res, axis_name="tp", num_blocks=3, has_delta=has_delta,
                           mailbox=spec(tp), peer_table=table(tp), backend="kernel"),
         mesh=_mesh(tp), in_specs=(P(None, "tp"), P(None, "tp")) + (P(),) * 5, out_specs=P())
-    b_, k, *rest = _tail_args(b, 12288)
+    b_, k, *rest = _tail_args(b, K_TOTAL)
     text = _lower(f, b_, k, *rest)
     assert text.count(CALL) == 1
     assert "all-reduce" not in text
-    assert ("dot_general" in text) == (tuning.tail_variant(b, 12288 // tp) == "xla")
+    assert ("dot_general" in text) == (tuning.tail_variant(b, K_TOTAL // tp) == "xla")
 
 
 def test_oproj_attn_res_kernel_backend_needs_a_mailbox():
@@ -170,7 +171,7 @@ def test_oproj_attn_res_kernel_backend_needs_a_mailbox():
                       mesh=_mesh(2), in_specs=(P(None, "tp"), P(None, "tp")) + (P(),) * 5,
                       out_specs=P())
     with pytest.raises(ValueError, match=r"backend='kernel' needs mailbox="):
-        _lower(f, *_tail_args(4, 12288))
+        _lower(f, *_tail_args(4, K_TOTAL))
 
 
 @pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
@@ -196,11 +197,11 @@ def test_virtual_tail_lowers_to_the_table_variant(b, tp):
     """oproj_attn_res_virtual with a mailbox: every rank's tail in ONE custom call, the
     table's variant (fused at B <= 4; split to B = 16; XLA's dot beyond: its dot_general)."""
     from jax_kimik3 import tuning
-    variant = tuning.tail_variant(b, 12288 // tp)
+    variant = tuning.tail_variant(b, K_TOTAL // tp)
     f = functools.partial(k3.oproj_attn_res_virtual, num_blocks=3, has_delta=True,
                           mailbox=spec(tp, virtual=True), peer_table=table(tp), backend="kernel")
     s = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
-    text = _lower(f, s((tp, b, 12288 // tp)), s((tp, H, 12288 // tp)), s((b, H)),
+    text = _lower(f, s((tp, b, K_TOTAL // tp)), s((tp, H, K_TOTAL // tp)), s((b, H)),
                   s((b, 8, H)), s((H,)), s((H,)), s((H,)))
     assert text.count(CALL) == 1
     assert ("dot_general" in text) == (variant == "xla")

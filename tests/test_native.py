@@ -16,11 +16,12 @@ import pytest
 
 pytest.importorskip("cutlass")
 from jax_kimik3 import backend, native, native_build  # noqa: E402
+from jax_kimik3.config import KIMI_K3  # noqa: E402
 from jax_kimik3.kernels import attn_res_ops  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TPS, LAYERS = (2,), 2  # what the test library holds: a decode step at TP 2 over 2 layers
-H, NB = 7168, 8
+H, NB = KIMI_K3.hidden_size, KIMI_K3.num_attn_res_blocks
 # Shared libraries a host without the CUDA toolkit or the DSL has (the driver is dlopened).
 SYSTEM_LIBRARIES = {"libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libc.so.6",
                     "ld-linux-x86-64.so.2", "libdl.so.2", "libpthread.so.0", "librt.so.1"}

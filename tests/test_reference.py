@@ -11,7 +11,7 @@ from tests import oracle
 
 BATCHES = (1, 3, 8, 33, 64)
 KS = (0, 1, 4, 8)
-NB = 8
+NB = k3.KIMI_K3.num_attn_res_blocks
 
 
 def _weights(inp, out_norm):

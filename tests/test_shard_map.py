@@ -12,7 +12,7 @@ import jax_kimik3 as k3
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 from tests import oracle
 
-NB = 8
+NB = k3.KIMI_K3.num_attn_res_blocks
 
 
 @functools.cache

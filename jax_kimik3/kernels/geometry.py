@@ -12,7 +12,4 @@ ROWS = 16  # rows of w per o_proj producer CTA: the mma's M
 TOKENS = 8  # tokens per producer B tile: the mma's N
 PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 FUSED_CTAS_PER_SM = 4  # the fused tail's register cap (.minnctapersm): <= 64 registers
-
-if CLUSTER * THREADS * VECTOR != KIMI_K3.hidden_size or THREADS % WARP:
-    raise ValueError(f"hidden_size={KIMI_K3.hidden_size} must be CLUSTER={CLUSTER} x whole "
-                     f"warps of {VECTOR}-element vectors")
+FLAT_THREADS = 128  # per CTA of the flat Lamport kernels (publish, owner, consumer): a vector each

@@ -33,13 +33,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
+from jax_kimik3.kernels.geometry import FLAT_THREADS
 from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, address_of, call_of,
                                            f32_to_words, fence_system, finish_call, load_words,
                                            multicast_words, poison_words, poll, poll_sum, rearm,
                                            store_words, without_negative_zero)
 from jax_kimik3.mailbox import SENTINEL, MailboxLayout, MailboxSpec
 
-THREADS = 128  # per CTA of the flat lamport kernels
 CONSUMER, OWNER = 1, 2  # WAITERS codes (jax_kimik3.mailbox)
 
 
@@ -48,13 +48,13 @@ def _item(nvec):
     last CTA's items past the end are the caller's to skip."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
-    item = bidx * THREADS + tidx
+    item = bidx * FLAT_THREADS + tidx
     row = item // nvec
     return item, row, item - row * nvec
 
 
 def _grid(rows, nvec):
-    return [(rows * nvec + THREADS - 1) // THREADS, 1, 1]
+    return [(rows * nvec + FLAT_THREADS - 1) // FLAT_THREADS, 1, 1]
 
 
 @cute.jit
@@ -105,7 +105,7 @@ class AllReduce:
         self.launch_publish(stream, rows, table, ranks, batch)
         self.launch_owner(stream, table, ranks, batch)
         self.consume(table, ranks, out, batch).launch(
-            grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR), block=[THREADS, 1, 1],
+            grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR), block=[FLAT_THREADS, 1, 1],
             stream=stream)
 
     @cute.jit
@@ -113,7 +113,7 @@ class AllReduce:
                        batch):
         """The publish kernel of rows [R·B, H] (the tail of XLA's dot launches it too)."""
         self.publish(rows, table, ranks, batch).launch(
-            grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR), block=[THREADS, 1, 1],
+            grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR), block=[FLAT_THREADS, 1, 1],
             stream=stream)
 
     @cute.jit
@@ -123,7 +123,7 @@ class AllReduce:
         if cutlass.const_expr(self.two_shot):
             self.reduce_chunk(table, ranks, batch).launch(
                 grid=_grid(self.ranks * batch, self.layout.chunk // VECTOR),
-                block=[THREADS, 1, 1], stream=stream)
+                block=[FLAT_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def publish(self, rows: cute.Tensor, table: cute.Tensor, ranks: cute.Tensor, batch: Int32):
@@ -200,7 +200,7 @@ class ArmedCheck:
     def __call__(self, stream, table: cute.Tensor, after: cute.Tensor, count: cute.Tensor):
         per_rank = self.layout.armed_bytes // VECTOR_BYTES
         self.kernel(table, count).launch(grid=_grid(self.layout.tp, per_rank),
-                                         block=[THREADS, 1, 1], stream=stream)
+                                         block=[FLAT_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, table: cute.Tensor, count: cute.Tensor):

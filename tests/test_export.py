@@ -15,7 +15,7 @@ import pytest
 import jax_kimik3 as k3
 
 pytest.importorskip("cutlass")
-from jax_kimik3 import aot  # noqa: E402
+from jax_kimik3 import export  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -45,12 +45,12 @@ def test_exported_decode_step_runs_without_the_dsl(tmp_path):
                 if name.split(".")[0] in ("cutlass", "nvidia_cutlass_dsl"):
                     raise ImportError(f"{{name}} is absent on this host")
         sys.meta_path.insert(0, NoDSL())
-        from jax_kimik3 import aot
-        exported = aot.load(open({str(path)!r}, "rb").read(), library={runtime_library()!r})
+        from jax_kimik3 import export
+        exported = export.load(open({str(path)!r}, "rb").read(), library={runtime_library()!r})
         text = exported.mlir_module()
         print(json.dumps(dict(platforms=exported.platforms, devices=exported.nr_devices,
                               table=str(exported.in_avals[-1]),
-                              calls=text.count("custom_call @" + aot.FFI_TARGET),
+                              calls=text.count("custom_call @" + export.FFI_TARGET),
                               objects=text.count("\\\\7FELF"),
                               dsl="cutlass" in sys.modules)))
     """)
@@ -68,9 +68,9 @@ def test_exported_decode_step_runs_without_the_dsl(tmp_path):
 
 def test_register_runtime_without_a_library_needs_the_dsl(monkeypatch):
     """With the DSL installed and no library given, the DSL registers its own handlers."""
-    monkeypatch.delenv(aot.RUNTIME_ENV, raising=False)
-    aot.register_runtime.cache_clear()
-    assert aot.register_runtime() == "the CuTe DSL"
+    monkeypatch.delenv(export.RUNTIME_ENV, raising=False)
+    export.register_runtime.cache_clear()
+    assert export.register_runtime() == "the CuTe DSL"
 
 
 def test_spec_without_a_peer_table_is_a_value_error():
@@ -89,4 +89,4 @@ def test_spec_without_a_peer_table_is_a_value_error():
     with pytest.raises(ValueError, match=r"peer_table has shape=\(2, 2\) dtype=uint32; "
                                          r"expected shape=\(3, 2\)"):
         lower(peer_table=jnp.zeros((2, 2), jnp.uint32))
-    assert aot.FFI_TARGET in lower(peer_table=jnp.zeros((3, 2), jnp.uint32)).as_text()
+    assert export.FFI_TARGET in lower(peer_table=jnp.zeros((3, 2), jnp.uint32)).as_text()
