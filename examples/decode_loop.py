@@ -1,10 +1,8 @@
 """A jitted decode step over Kimi K3 attention tails, at model sizes, on a TP mesh.
 
-Each layer runs the pre-attention AttnRes (with its block write), a stand-in for attention
-(a fixed random projection H -> 12288, split over the TP ranks like attention heads), the
-post-attention tail `oproj_attn_res` (o_proj + all-reduce + AttnRes), and a stand-in for the
-MLP (a fixed random projection H -> H) whose output is the next layer's delta; the final
-AttnRes closes the step. Weights are random. On CPU the mesh is made of host devices and the
+The step is `jax_kimik3.decode`'s: per layer the pre-attention AttnRes, a stand-in for
+attention, the post-attention tail `oproj_attn_res` (o_proj + all-reduce + AttnRes) and a
+stand-in for the MLP; the final AttnRes closes it. Weights are random. On CPU the mesh is made of host devices and the
 step runs the reference; on GPUs it runs the kernels, the all-reduce through peer mailboxes
 (their buffers alternate with every call, whatever the layer count), and `--check` compares
 its output with the reference step. `--check-every N` reads the mailbox's failure record
@@ -22,7 +20,6 @@ prebuilt library, or auto) and print the time from process start to the first st
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import time
 
@@ -34,9 +31,10 @@ from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
 from jax_kimik3.backend import KERNELS_ENV, kernel_mode
+from jax_kimik3.decode import init_params, make_step
 
 CFG = k3.KIMI_K3
-H, K, NB = CFG.hidden_size, CFG.o_proj_in_features, CFG.num_attn_res_blocks
+H, NB = CFG.hidden_size, CFG.num_attn_res_blocks
 
 
 def process_seconds() -> float:
@@ -70,90 +68,6 @@ def parse_args(argv=None):
     parser.add_argument("--export", metavar="FILE", help="write the kernel step for CUDA, stop")
     parser.add_argument("--load", metavar="FILE", help="run the step exported to FILE")
     return parser.parse_args(argv)
-
-
-def init_params(key, mesh, num_layers, virtual_tp=None):
-    """Random weights, created on the mesh: o_proj and the attention stand-in split along K
-    (with `virtual_tp`, o_proj held as the ranks' shards [TP, H, K/TP] on the one device)."""
-    split = NamedSharding(mesh, P(None, "tp"))
-    whole = NamedSharding(mesh, P())
-
-    @functools.cache  # one compile per kind of weight, not per weight
-    def maker(shape, scale, sharding):
-        return jax.jit(lambda k: (scale * jax.random.normal(k, shape, jnp.float32))
-                       .astype(jnp.bfloat16), out_shardings=sharding)
-
-    def normal(key, shape, scale, sharding):
-        return maker(shape, scale, sharding)(key)
-
-    def site(key):
-        g, w, o = jax.random.split(key, 3)
-        return k3.AttnResWeights(res_norm_w=1 + normal(g, (H,), 0.2, whole),
-                                 res_proj_w=normal(w, (H,), 4.0 / np.sqrt(H), whole),
-                                 out_norm_w=1 + normal(o, (H,), 0.2, whole))
-
-    keys = jax.random.split(key, 4 + 3 * num_layers)
-    layers = []
-    for i in range(num_layers):
-        pre, post, o_proj = keys[4 + 3 * i: 7 + 3 * i]
-        w = normal(o_proj, (H, K), 1 / np.sqrt(K), split)
-        if virtual_tp:
-            w = jnp.moveaxis(w.reshape(H, virtual_tp, K // virtual_tp), 1, 0)
-        layers.append({"pre": site(pre), "post": site(post), "o_proj": w})
-    return {
-        "attention": normal(keys[0], (H, K), 1 / np.sqrt(H), split),  # stand-in, shared
-        "mlp": normal(keys[1], (H, H), 0.5 / np.sqrt(H), whole),  # stand-in, shared
-        "final": site(keys[2]),
-        "layers": layers,
-    }
-
-
-def param_specs(params):
-    """shard_map specs: arrays of width K are split along K, all else replicated."""
-    return jax.tree.map(lambda a: P(None, "tp") if a.shape == (H, K) else P(), params)
-
-
-def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbox,
-                stats_ahead=False, virtual_tp=None):
-    """One decode step through `num_layers` layers and the final AttnRes (inside shard_map);
-    `mailbox` is a MailboxSpec (kernels) or None, `table` its peer table operand. With
-    `stats_ahead`, layer i's post-attention tail also returns the statistics of the saved
-    blocks for the next call site (layer i + 1's pre-attention, or the final AttnRes). With
-    `virtual_tp` (a mesh of one device) the tail runs that many ranks on the device."""
-    tails = [k3.AttentionTail(CFG.layer(i), axis_name="tp", mailbox=mailbox, backend=backend)
-             for i in range(num_layers)]
-    layers = params["layers"]
-    prefix, delta, stats = embedding, None, None  # layer 0's pre-attention mixes no block
-    for i, tail in enumerate(tails):
-        layer = layers[i]
-        hidden, prefix, blocks = tail.pre_attention(layer["pre"], prefix, blocks, delta, stats)
-        x = jnp.dot(hidden, params["attention"]).astype(jnp.bfloat16)  # this rank's heads
-        post = tail.post_attention
-        if virtual_tp:  # [B, K] → the ranks' shards [TP, B, K/TP]
-            x = jnp.moveaxis(x.reshape(x.shape[0], virtual_tp, -1), 1, 0)
-            post = tail.post_attention_virtual
-        following = layers[i + 1]["pre"] if i + 1 < num_layers else params["final"]
-        results = post(layer["post"], x, layer["o_proj"], prefix, blocks, peer_table=table,
-                       ahead=following if stats_ahead else None)
-        hidden, prefix, blocks = results[:3]
-        stats = results[3] if stats_ahead else None
-        delta = jnp.dot(hidden, params["mlp"]).astype(jnp.bfloat16)
-    out = k3.final_attn_res(params["final"], prefix, blocks, delta, stats=stats,
-                            num_layers=num_layers, backend=backend)
-    return out, blocks
-
-
-def make_step(mesh, params, num_layers, backend, mailbox, stats_ahead=False, virtual_tp=None):
-    """The jitted step(params, embedding, blocks, table) -> (out, blocks) on `mesh` (with
-    `virtual_tp`, on its one device: no shard_map)."""
-    def step(p, e, b, t):
-        return decode_step(p, e, b, t, num_layers=num_layers, backend=backend, mailbox=mailbox,
-                           stats_ahead=stats_ahead, virtual_tp=virtual_tp)
-
-    if virtual_tp:
-        return jax.jit(step)
-    return jax.jit(jax.shard_map(
-        step, mesh=mesh, in_specs=(param_specs(params), P(), P(), P()), out_specs=(P(), P())))
 
 
 def export_step(path, mesh, params, embedding, blocks, num_layers, virtual_tp=None):

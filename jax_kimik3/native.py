@@ -5,12 +5,14 @@ CuTe DSL, so a GPU host without the DSL runs the kernels from it.
 The library exports, per kernel call `name` (jax_kimik3/kernels/launch.py names them),
 `<name>_instantiate` (loads the kernel's cubin) and `<name>_execute` (launches it; command-
 buffer compatible), and `jax_kimik3_manifest()`: JSON {"arch", "dsl", "sources", "calls":
-{name: description}}. "sources" is the digest of the kernel sources it was built from: a
-library whose digest differs from this package's is stale (launch.py will not use it).
+{name: description}}. "sources" is the digest of the code of the kernel sources it was built
+from (`source_digest`; docstrings and comments aside): a library whose digest differs from
+this package's is stale (launch.py will not use it).
 """
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import dataclasses
 import functools
@@ -28,16 +30,53 @@ DEFAULT_PATH = DEFAULT_DIR / LIBRARY_NAME
 MANIFEST_SYMBOL = "jax_kimik3_manifest"
 STAGES = ("instantiate", "execute")
 PACKAGE = pathlib.Path(__file__).resolve().parent
-# What a compiled kernel depends on: the kernels, their calls and the sizes they are built for.
-KERNEL_SOURCES = ("kernels/*.py", "config.py", "mailbox.py")
+
+
+def kernel_sources() -> list[pathlib.Path]:
+    """What a compiled kernel depends on: the modules that make the CuTe DSL kernel objects
+    (kernels/launch.py's FACTORIES) and every module of this package they import, in turn."""
+    from jax_kimik3.kernels.launch import FACTORIES
+
+    todo = sorted({module for module, _ in FACTORIES.values()})
+    found = {}
+    while todo:
+        module = todo.pop()
+        path = PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
+        if module in found or not path.exists():
+            continue
+        found[module] = path
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            todo += [n for n in names if n.split(".")[0] == PACKAGE.name]
+    return sorted(found.values())
+
+
+def _code(source: str) -> str:
+    """`source` as its syntax tree without docstrings: comments, docstrings and layout do
+    not change what the DSL compiles, so they do not change the digest."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 @functools.cache
 def source_digest() -> str:
-    """sha256 of this package's kernel sources (KERNEL_SOURCES), in path order."""
+    """sha256 of the code of `kernel_sources()`, in path order."""
     digest = hashlib.sha256()
-    for path in sorted(p for pattern in KERNEL_SOURCES for p in PACKAGE.glob(pattern)):
-        digest.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0" + path.read_bytes())
+    for path in kernel_sources():
+        digest.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0"
+                      + _code(path.read_text()).encode())
     return digest.hexdigest()
 
 

@@ -1,66 +1,75 @@
-"""CPU: the library's catalog (jax_kimik3/kernels/catalog.py) holds every kernel call that
-decode steps make, at every TP, across the batches where the tail's tables change variant,
-with and without statistics ahead (traced only: nothing compiles)."""
-
-import json
-import os
-import pathlib
-import subprocess
-import sys
-import textwrap
+"""CPU: the library's catalog (jax_kimik3/kernels/catalog.py) holds every kernel call that the
+canonical decode step (jax_kimik3.decode) makes, at every TP, at the batches where the
+tail's tables change, with and without statistics ahead; and what the library compiles of a
+call that reads its batch at run time was traced at a symbolic batch (traced only: nothing
+compiles)."""
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import AbstractMesh
 
-from jax_kimik3 import backend
-from jax_kimik3.kernels import catalog, launch
+import jax_kimik3 as k3
+from jax_kimik3 import backend, decode
+from jax_kimik3.kernels import catalog, launch, oproj
 
 pytest.importorskip("cutlass")
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = 13  # through the first block write after the embedding (layer 12)
-BATCHES = (1, 4, 5, 16, 17, 63, 64)  # the edges of tuning.py's tables
-STEP_CALLS = """
-import json, sys
-sys.argv = ["decode_loop", "--tp", "{tp}"]
-import decode_loop as dl
-import jax, jax.numpy as jnp
-import jax_kimik3 as k3
-from jax_kimik3 import backend
-from jax_kimik3.kernels import launch
-mesh = jax.sharding.Mesh(jax.devices(), ("tp",))
-params = jax.eval_shape(lambda: dl.init_params(jax.random.key(0), mesh, {layers}))
-s = jax.ShapeDtypeStruct
-made = set()
-with backend.kernel_mode_set("jit"), launch.recording(lambda c, fn, i: made.add(c.name)):
-    for stats_ahead in (False, True):
-        step = dl.make_step(mesh, params, {layers}, "kernel",
-                            k3.MailboxSpec(k3.MailboxLayout({tp})), stats_ahead=stats_ahead)
-        for b in {batches}:
-            step.trace(params, s((b, 7168), jnp.bfloat16), s((b, 8, 7168), jnp.bfloat16),
-                       s(({tp} + 1, 2), jnp.uint32))
-print(json.dumps(sorted(made)))
-"""
+BATCHES = (1, 4, 5, 8, 9, 16, 17, 63, 64)  # the edges of tuning.py's tables and B tiles
+H, NB = k3.KIMI_K3.hidden_size, k3.KIMI_K3.num_attn_res_blocks
+
+
+def _symbolic(inputs):
+    return any(not isinstance(d, int) for x in inputs if x is not None for d in x.shape)
 
 
 @pytest.fixture(scope="module")
-def catalog_names():
-    seen = set()
-    with backend.kernel_mode_set("jit"), launch.recording(lambda c, fn, i: seen.add(c.name)):
+def catalog_calls():
+    """name → (Call, whether its first trace, the one the library compiles, was symbolic)."""
+    seen = {}
+
+    def record(call, fn, inputs):
+        seen.setdefault(call.name, (call, _symbolic(inputs)))
+
+    with backend.kernel_mode_set("jit"), launch.recording(record):
         for _, function, args in catalog.decode_calls(num_layers=LAYERS):
             jax.make_jaxpr(function)(*args)
     return seen
 
 
 @pytest.mark.parametrize("tp", catalog.TP_VALUES)
-def test_decode_steps_call_only_catalog_kernels(catalog_names, tp):
-    """decode_loop's step on a TP mesh of host devices, traced at each batch."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples")]),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={tp}")
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(STEP_CALLS.format(tp=tp, layers=LAYERS,
-                                                                 batches=BATCHES))],
-        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    made = set(json.loads(done.stdout.splitlines()[-1]))
-    assert made and made <= catalog_names, sorted(made - catalog_names)
+def test_decode_steps_call_only_catalog_kernels(catalog_calls, tp):
+    """The step as a user runs it (the tables choose), traced at each edge batch."""
+    params = decode.param_shapes(LAYERS)
+    s = jax.ShapeDtypeStruct
+    made = set()
+    with backend.kernel_mode_set("jit"), launch.recording(lambda c, fn, i: made.add(c.name)):
+        for stats_ahead in (False, True):
+            step = decode.make_step(AbstractMesh((tp,), ("tp",)), params, LAYERS, "kernel",
+                                    k3.MailboxSpec(k3.MailboxLayout(tp)), stats_ahead)
+            for b in BATCHES:
+                step.trace(params, s((b, H), jnp.bfloat16), s((b, NB, H), jnp.bfloat16),
+                           s((tp + 1, 2), jnp.uint32))
+    assert made and made <= set(catalog_calls), sorted(made - set(catalog_calls))
+
+
+def test_batch_read_at_run_time_is_traced_symbolic(catalog_calls):
+    """A call whose kernel reads the batch at run time is first traced at a symbolic batch
+    (the library compiles that trace: one object for every batch); only the fused tail,
+    compiled per batch, is traced at a concrete one."""
+    for call, symbolic in catalog_calls.values():
+        assert symbolic == (call.variant.family != "fused"), call.description
+
+
+def test_regions_cover_every_batch_once():
+    """The tail regions of every TP partition 1..64 into runs, and a region's symbolic batch
+    decides the tables as each of its batches does."""
+    for tp in catalog.TP_VALUES:
+        for ahead in (False, True):
+            regions = catalog.tail_regions(tp, ahead)
+            batches = [b for _, first, last in regions for b in range(first, last + 1)]
+            assert batches == list(range(1, k3.KIMI_K3.mailbox_capacity + 1))
+            k = k3.KIMI_K3.o_proj_local_features(tp)
+            for choice, first, last in regions:
+                b = catalog.region_batch(choice, first, last)
+                assert oproj.choose(b, k, tp, () if ahead else None) == choice

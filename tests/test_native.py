@@ -52,7 +52,7 @@ def run_without_dsl(script, library, mode="aot", devices=2):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_KIMIK3_KERNELS=mode,
                JAX_KIMIK3_LIBRARY=str(library),
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples")]))
+               PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", NO_DSL + textwrap.dedent(script)], env=env,
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -98,15 +98,14 @@ def test_every_handler_registers_without_the_dsl(built):
 
 @pytest.mark.parametrize("stats_ahead", [False, True], ids=["blocks", "stats_ahead"])
 def test_aot_decode_step_lowers_to_the_library(built, stats_ahead):
-    """decode_loop's step at TP 2, lowered for CUDA with JAX_KIMIK3_KERNELS=aot: only the
+    """The canonical decode step at TP 2, lowered for CUDA with JAX_KIMIK3_KERNELS=aot: only the
     library's targets, in the tail variant tuning.py picks: at B = 4 the fused tail (with
     statistics ahead: the split tail call), at B = 33 XLA's dot and the tail call."""
     path, _ = built
     got = run_without_dsl(f"""
         import json, re, sys
-        sys.argv = ["decode_loop", "--tp", "2", "--layers", "{LAYERS}"]
-        import decode_loop as dl
         import jax, jax.numpy as jnp
+        import jax_kimik3.decode as dl
         import jax_kimik3 as k3
         mesh = jax.sharding.Mesh(jax.devices()[:2], ("tp",))
         params = jax.eval_shape(lambda: dl.init_params(jax.random.key(0), mesh, {LAYERS}))
@@ -246,3 +245,23 @@ def test_exported_kernel_reads_buffers_as_the_handler_passes_them(tmp_path):
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["grid", "7", "5", "1"] + [hex(a) for a in range(0x1000, 0x6000,
                                                                                   0x1000)]
+
+
+def test_digest_follows_code_not_docstrings_or_comments():
+    """A docstring, comment or layout edit leaves a kernel source's code (what the digest
+    hashes) as it was; a change of code does not."""
+    source = 'def f(x):\n    """Doc."""\n    return x + 1  # one\n'
+    assert native._code(source) == native._code('def f(x):\n    """Other."""\n\n'
+                                                 '    return (x +\n            1)\n')
+    assert native._code(source) == native._code("def f(x):\n    return x + 1\n")
+    assert native._code(source) != native._code("def f(x):\n    return x + 2\n")
+
+
+def test_digest_covers_the_kernels_and_what_they_import():
+    """The digest's sources: every module that makes a kernel object and what it imports in
+    turn (the primitives, the mailbox layout, the config), not the catalog or the API."""
+    names = {p.relative_to(native.PACKAGE).as_posix() for p in native.kernel_sources()}
+    assert {"kernels/attn_res.py", "kernels/lamport.py", "kernels/producer.py",
+            "kernels/fused.py", "kernels/tail.py", "kernels/primitives.py",
+            "kernels/geometry.py", "mailbox.py", "config.py"} <= names
+    assert not names & {"kernels/catalog.py", "api.py", "layer.py", "decode.py"}

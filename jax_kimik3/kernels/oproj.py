@@ -23,33 +23,51 @@ picks it, so consecutive calls on a mailbox alternate whatever the layers.
 
 from __future__ import annotations
 
+import operator
+from typing import NamedTuple
+
 import jax
 
 from jax_kimik3 import reference, tuning
 from jax_kimik3.kernels import attn_res_ops, producer_ops, residency
-from jax_kimik3.kernels.geometry import CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, WARP
 from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
-from jax_kimik3.kernels.launch import Variant, launch
+from jax_kimik3.kernels.geometry import CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, WARP
 from jax_kimik3.kernels.lamport_ops import kernel_spec
+from jax_kimik3.kernels.launch import Variant, launch
 from jax_kimik3.mailbox import MailboxSpec
 
-def _choose(variant, two_shot, batch, k, tp, ahead):
-    """(variant, two_shot): what was asked for, else the tables'. The fused kernel is one-shot
-    without statistics ahead: asked for, it runs one-shot; the table's fused runs split where
-    two-shot or ahead is asked for or tabled."""
+
+class TailChoice(NamedTuple):
+    """What one tail call launches: its variant, all-reduce and the static parameters its
+    kernels are compiled for (batches with one TailChoice share one compiled call)."""
+
+    variant: tuning.TailVariant
+    two_shot: bool
+    tiles: int | None = None  # split: the producer's B tiles (it reads the batch at run time)
+    batch: int | None = None  # fused: the batch it is compiled for (split and xla read it)
+
+
+def choose(batch, k, tp, ahead, *, variant=None, two_shot=None) -> TailChoice:
+    """What the tail of `batch` rows at K = `k` per rank, `tp` ranks and `ahead` (None or
+    not) launches: `variant` and `two_shot` as asked for, else the tables'. The fused kernel
+    is one-shot without statistics ahead: asked for, it runs one-shot; the table's fused runs
+    split where two-shot or ahead is asked for or tabled. `batch` may be symbolic where every
+    decision is (a batch range inside one table region and one producer B tile count)."""
     if variant is not None and variant not in tuning.TAIL_VARIANT_NAMES:
         raise ValueError(f"variant={variant!r} must be one of {tuning.TAIL_VARIANT_NAMES}")
     if variant == "fused":
         if two_shot or ahead is not None:
             raise NotImplementedError(f"the fused tail is one-shot without ahead; got "
                                       f"{two_shot=}, ahead={ahead is not None}")
-        return "fused", False
+        return TailChoice("fused", False, batch=operator.index(batch))
     if two_shot is None:
         two_shot = tuning.use_two_shot(batch, tp)
     chosen = variant or tuning.tail_variant(batch, k)
     if chosen == "fused" and (two_shot or ahead is not None):
         chosen = "split"
-    return chosen, two_shot
+    if chosen == "fused":
+        return TailChoice("fused", False, batch=operator.index(batch))
+    return TailChoice(chosen, two_shot, producer_ops.tiles(batch) if chosen == "split" else None)
 
 
 def tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, ranks,
@@ -63,21 +81,21 @@ def tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, ran
     None: `tuning.tail_variant`. `into` = (out, new_prefix) [R·B, H] buffers written in place
     (the GPU tests pass poisoned ones)."""
     _, b, k = x.shape
-    chosen, two_shot = _choose(variant, two_shot, b, k, spec.tp, ahead)
     return launch_tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
                        ranks=ranks, spec=spec, num_blocks=num_blocks, has_delta=has_delta,
-                       eps=eps, out_eps=out_eps, ahead=ahead, variant=chosen,
-                       two_shot=two_shot,
-                       tiles=producer_ops.tiles(b) if chosen == "split" else None, into=into)
+                       eps=eps, out_eps=out_eps, ahead=ahead,
+                       choice=choose(b, k, spec.tp, ahead, variant=variant, two_shot=two_shot),
+                       into=into)
 
 
 def launch_tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, ranks,
-                spec: MailboxSpec, num_blocks, has_delta, eps, out_eps, ahead, variant,
-                two_shot, tiles=None, into=None):
-    """`tail` in the given `variant`, `two_shot` and (split) producer B `tiles`: the one
-    custom call. Split and xla read the batch at run time (B may be symbolic, as the kernel
-    library's build traces it); the fused kernel is compiled per batch."""
+                spec: MailboxSpec, num_blocks, has_delta, eps, out_eps, ahead,
+                choice: TailChoice, into=None):
+    """`tail` as `choice` says: the one custom call. Split and xla read the batch at run time
+    (B may be symbolic, as the kernel library's build traces it); the fused kernel is
+    compiled for `choice.batch`."""
     r, b, k = x.shape
+    variant, two_shot = choice.variant, choice.two_shot
     h = prefix.shape[1]
     attn_res = AttnResVariant(num_blocks, has_delta, -1, out_norm_w is not None, False,
                               float(eps), float(out_eps), Reduction(kernel_spec(spec), r, two_shot),
@@ -88,10 +106,10 @@ def launch_tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, tab
         # The fused kernel's shared memory leaves FUSED_CTAS_PER_SM per SM (kernels/fused.py).
         clusters = residency.clusters_here(CLUSTER, PRODUCER_WARPS * WARP, 0, FUSED_CTAS_PER_SM)
         inputs = [*stacked, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table, ranks]
-        call = Variant("fused", (b, k, attn_res, clusters))
+        call = Variant("fused", (choice.batch, k, attn_res, clusters))
     else:
         if variant == "split":
-            sources, shapes = [*stacked, None], (tiles, k)
+            sources, shapes = [*stacked, None], (choice.tiles, k)
         else:  # "xla": XLA's dot makes each rank's rows
             rows = jax.vmap(reference.oproj_partial)(x, w).reshape(r * b, h)
             sources, shapes = [None, None, rows], (None, None)

@@ -14,12 +14,14 @@ from jax_kimik3.kernels.launch import Variant, launch
 from jax_kimik3.mailbox import MailboxSpec
 
 
-def tiles(batch: int) -> int:
+def tiles(batch) -> int:
     """B tiles of TOKENS tokens that hold `batch` rows: what the producer is compiled for (it
-    reads the batch itself at run time)."""
-    if not 1 <= batch <= KIMI_K3.mailbox_capacity:
-        raise ValueError(f"o_proj producer: B={batch} must be in [1, {KIMI_K3.mailbox_capacity}]")
-    return (batch + TOKENS - 1) // TOKENS
+    reads the batch itself at run time). By comparisons only, so a symbolic batch whose range
+    lies within one tile count has it too (else jax raises: the range is too wide)."""
+    capacity = KIMI_K3.mailbox_capacity
+    if not 1 <= batch <= capacity:
+        raise ValueError(f"o_proj producer: B={batch} must be in [1, {capacity}]")
+    return next(t for t in range(1, capacity // TOKENS + 1) if batch <= t * TOKENS)
 
 
 class Publish(NamedTuple):
