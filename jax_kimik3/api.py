@@ -117,32 +117,11 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
                     ahead=ahead, mailbox=mailbox, peer_table=peer_table, two_shot=two_shot,
                     backend=backend, axis_name=axis_name, ranks=size)
     check.done()
-    spec = None if mailbox is None else mailbox.spec
-    table = None if mailbox is None else _table(mailbox, peer_table)
-    return _oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table,
-                           None if ahead is None else tuple(ahead), axis_name=axis_name,
-                           num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
-                           spec=spec, two_shot=two_shot, backend=backend)
-
-
-@functools.partial(jax.jit, static_argnames=("axis_name", "num_blocks", "has_delta", "eps",
-                                             "out_eps", "spec", "two_shot", "backend"))
-def _oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table, ahead, *,
-                    axis_name, num_blocks, has_delta, eps, out_eps, spec, two_shot, backend):
-    if spec is not None and use_kernels(backend, prefix.shape[1]):
-        from jax_kimik3.kernels import oproj
-
-        rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-        out, new_prefix, *stats = oproj.tail(
-            x[None], w[None], prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
-            ranks=rank, spec=spec, num_blocks=num_blocks, has_delta=has_delta, eps=eps,
-            out_eps=out_eps, ahead=ahead, two_shot=two_shot)
-        return (out[0], new_prefix[0], blocks,
-                *(AttnResStatistics(m[0], s[0], num_blocks) for m, s in stats))
-    results = reference.oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-                                       axis_name=axis_name, num_blocks=num_blocks,
-                                       has_delta=has_delta, eps=eps, out_eps=out_eps)
-    return _with_ahead(results, blocks, ahead, num_blocks, eps)
+    out, new_prefix, new_blocks, *stats = _tail(
+        x[None], w[None], prefix, blocks, res_norm_w, res_proj_w, out_norm_w, mailbox,
+        peer_table, ahead, axis_name=axis_name, num_blocks=num_blocks, has_delta=has_delta,
+        eps=eps, out_eps=out_eps, two_shot=two_shot, backend=backend)
+    return (out[0], new_prefix[0], new_blocks, *jax.tree.map(lambda a: a[0], stats))
 
 
 def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
@@ -172,34 +151,49 @@ def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_nor
                         ahead=ahead, mailbox=mailbox, peer_table=peer_table, two_shot=two_shot,
                         backend=backend, ranks=x.shape[0], virtual=True)
     check.done()
+    return _tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, mailbox, peer_table,
+                 ahead, axis_name=None, num_blocks=num_blocks, has_delta=has_delta, eps=eps,
+                 out_eps=out_eps, two_shot=two_shot, backend=backend)
+
+
+def _ranks(axis_name, count):
+    """The ranks of a call's leading axis: this device's along `axis_name` (a mesh, one rank
+    per device), or all `count` of them (virtual TP, axis_name None)."""
+    if axis_name is None:
+        return jnp.arange(count, dtype=jnp.int32)
+    return jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+
+
+def _tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, mailbox, peer_table, ahead,
+          **static):
+    """The one composition of the ranks' tails (x [R, B, K], w [R, H, K]; a mesh: R = 1)."""
     spec = None if mailbox is None else mailbox.spec
     table = None if mailbox is None else _table(mailbox, peer_table)
-    return _oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-                                   table, None if ahead is None else tuple(ahead),
-                                   num_blocks=num_blocks, has_delta=has_delta, eps=eps,
-                                   out_eps=out_eps, spec=spec, two_shot=two_shot,
-                                   backend=backend)
+    return _tail_ranks(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table,
+                       None if ahead is None else tuple(ahead), spec=spec, **static)
 
 
-@functools.partial(jax.jit, static_argnames=("num_blocks", "has_delta", "eps", "out_eps",
-                                             "spec", "two_shot", "backend"))
-def _oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table,
-                            ahead, *, num_blocks, has_delta, eps, out_eps, spec, two_shot,
-                            backend):
-    tp = x.shape[0]
+@functools.partial(jax.jit, static_argnames=("axis_name", "num_blocks", "has_delta", "eps",
+                                             "out_eps", "spec", "two_shot", "backend"))
+def _tail_ranks(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table, ahead, *,
+                axis_name, num_blocks, has_delta, eps, out_eps, spec, two_shot, backend):
+    """Each rank's (out [R, B, H], new_prefix [R, B, H]), the new blocks, and with `ahead`
+    each rank's AttnResStatistics."""
+    r = x.shape[0]
     if spec is not None and use_kernels(backend, prefix.shape[1]):
         from jax_kimik3.kernels import oproj
 
         out, new_prefix, *stats = oproj.tail(
             x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
-            ranks=jnp.arange(tp, dtype=jnp.int32), spec=spec, num_blocks=num_blocks,
-            has_delta=has_delta, eps=eps, out_eps=out_eps, ahead=ahead, two_shot=two_shot)
+            ranks=_ranks(axis_name, r), spec=spec, num_blocks=num_blocks, has_delta=has_delta,
+            eps=eps, out_eps=out_eps, ahead=ahead, two_shot=two_shot)
         return (out, new_prefix, blocks,
                 *(AttnResStatistics(m, s, num_blocks) for m, s in stats))
-    out, new_prefix, new_blocks, *stats = _with_ahead(reference.oproj_attn_res_virtual(
-        x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks,
-        has_delta=has_delta, eps=eps, out_eps=out_eps), blocks, ahead, num_blocks, eps)
-    ranks = functools.partial(jax.tree.map, lambda a: jnp.broadcast_to(a, (tp, *a.shape)))
+    out, new_prefix, new_blocks, *stats = _with_ahead(reference.oproj_attn_res_ranks(
+        x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, axis_name=axis_name,
+        num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps), blocks, ahead,
+        num_blocks, eps)
+    ranks = functools.partial(jax.tree.map, lambda a: jnp.broadcast_to(a, (r, *a.shape)))
     return (*ranks((out, new_prefix)), new_blocks, *ranks(stats))
 
 
@@ -258,16 +252,8 @@ def all_reduce(rows, mailbox, *, axis_name, two_shot=False, peer_table=None):
         _check_reduce(check, rows, "rows", mailbox, peer_table, two_shot, axis_name=axis_name,
                       ranks=size)
     check.done()
-    return _all_reduce(rows, _table(mailbox, peer_table), axis_name=axis_name,
-                       spec=mailbox.spec, two_shot=two_shot)
-
-
-@functools.partial(jax.jit, static_argnames=("axis_name", "spec", "two_shot"))
-def _all_reduce(rows, table, *, axis_name, spec, two_shot):
-    from jax_kimik3.kernels import lamport_ops
-
-    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-    return lamport_ops.all_reduce(rows[None], table, rank, spec=spec, two_shot=two_shot)[0]
+    return _all_reduce(rows[None], _table(mailbox, peer_table), axis_name=axis_name,
+                       spec=mailbox.spec, two_shot=two_shot)[0]
 
 
 def all_reduce_virtual(partials, mailbox, *, two_shot=False, peer_table=None):
@@ -283,16 +269,17 @@ def all_reduce_virtual(partials, mailbox, *, two_shot=False, peer_table=None):
             _check_reduce(check, partials[0], "partials[r]", mailbox, peer_table, two_shot,
                           ranks=partials.shape[0], virtual=True)
     check.done()
-    return _all_reduce_virtual(partials, _table(mailbox, peer_table), spec=mailbox.spec,
-                               two_shot=two_shot)
+    return _all_reduce(partials, _table(mailbox, peer_table), axis_name=None, spec=mailbox.spec,
+                       two_shot=two_shot)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "two_shot"))
-def _all_reduce_virtual(partials, table, *, spec, two_shot):
+@functools.partial(jax.jit, static_argnames=("axis_name", "spec", "two_shot"))
+def _all_reduce(partials, table, *, axis_name, spec, two_shot):
+    """The one composition of the ranks' all-reduce: partials [R, B, H] (a mesh: R = 1)."""
     from jax_kimik3.kernels import lamport_ops
 
-    ranks = jnp.arange(partials.shape[0], dtype=jnp.int32)
-    return lamport_ops.all_reduce(partials, table, ranks, spec=spec, two_shot=two_shot)
+    return lamport_ops.all_reduce(partials, table, _ranks(axis_name, partials.shape[0]),
+                                  spec=spec, two_shot=two_shot)
 
 
 def _check_reduce(check, rows, name, mailbox, peer_table, two_shot, *, ranks, axis_name=None,

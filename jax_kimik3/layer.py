@@ -8,6 +8,7 @@ a tail uses is the mailbox's business: its call counter, not the layer.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -98,16 +99,8 @@ class AttentionTail:
         `ahead`: the next call site's weights (layer i + 1's pre-attention, or after the last
         layer the final call's), which mixes the same saved blocks: its statistics come back
         as a fourth result, for its `stats=`."""
-        site = self.plan.post_attention
-        if ahead is not None:
-            _weights(site.name, ahead, "ahead")
-        return api.oproj_attn_res(
-            x, o_proj, prefix, blocks, *_weights(site.name, weights), axis_name=self.axis_name,
-            num_blocks=site.num_blocks, has_delta=site.has_delta, mailbox=self.mailbox,
-            peer_table=peer_table,
-            ahead=None if ahead is None else (ahead.res_norm_w, ahead.res_proj_w),
-            backend=self.backend)
-
+        return self._tail(functools.partial(api.oproj_attn_res, axis_name=self.axis_name),
+                          weights, x, o_proj, prefix, blocks, peer_table, ahead)
 
     def post_attention_virtual(self, weights: AttnResWeights, x, o_proj, prefix, blocks,
                                peer_table=None, ahead: AttnResWeights | None = None):
@@ -115,17 +108,20 @@ class AttentionTail:
         shard_map, with a `Mailbox.virtual` mailbox): x [TP, B, K/TP] and o_proj
         [TP, H, K/TP] are the ranks' shards. The ranks agree bit for bit; this returns rank
         0's results, as `post_attention` does."""
+        out, prefix, blocks, *stats = self._tail(api.oproj_attn_res_virtual, weights, x, o_proj,
+                                                 prefix, blocks, peer_table, ahead)
+        return (out[0], prefix[0], blocks, *jax.tree.map(lambda a: a[0], stats))
+
+    def _tail(self, tail, weights, x, o_proj, prefix, blocks, peer_table, ahead):
+        """`tail` (the mesh's or virtual TP's oproj_attn_res) at this layer's post-attention."""
         site = self.plan.post_attention
         if ahead is not None:
             _weights(site.name, ahead, "ahead")
-        out, prefix, blocks, *stats = api.oproj_attn_res_virtual(
-            x, o_proj, prefix, blocks, *_weights(site.name, weights), num_blocks=site.num_blocks,
-            has_delta=site.has_delta, mailbox=self.mailbox, peer_table=peer_table,
-            ahead=None if ahead is None else (ahead.res_norm_w, ahead.res_proj_w),
-            backend=self.backend)
-        if ahead is None:
-            return out[0], prefix[0], blocks
-        return out[0], prefix[0], blocks, jax.tree.map(lambda a: a[0], stats[0])
+        return tail(x, o_proj, prefix, blocks, *_weights(site.name, weights),
+                    num_blocks=site.num_blocks, has_delta=site.has_delta, mailbox=self.mailbox,
+                    peer_table=peer_table,
+                    ahead=None if ahead is None else (ahead.res_norm_w, ahead.res_proj_w),
+                    backend=self.backend)
 
 
 def final_attn_res(weights: AttnResWeights, prefix, blocks, delta, *, stats=None,

@@ -92,37 +92,50 @@ def oproj_partial(x, w):
     return round_bf16(jnp.einsum("bk,hk->bh", x, w, preferred_element_type=F32)).astype(BF16)
 
 
-def all_reduce(partial, axis_name):
-    """Sum of the ranks' bf16 rows in fp32, rounded to bf16 (the mailbox all-reduce's result)."""
-    return round_bf16(jax.lax.psum(partial.astype(F32), axis_name)).astype(BF16)
-
-
-def all_reduce_ranks(partials):
-    """The same sum of every rank's bf16 rows [TP, B, H] held on one device, in rank order."""
+def all_reduce_ranks(partials, axis_name=None):
+    """Sum of the ranks' bf16 rows [R, B, H] in fp32, in rank order, then over `axis_name`
+    where given (a mesh device holds R = 1), rounded to bf16: the mailbox all-reduce's
+    result."""
     acc = partials[0].astype(F32)
     for partial in partials[1:]:
         acc = acc + partial.astype(F32)
+    if axis_name is not None:
+        acc = jax.lax.psum(acc, axis_name)
     return round_bf16(acc).astype(BF16)
 
 
-def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
-                   num_blocks, has_delta, eps=EPS, out_eps=EPS):
-    """Post-attention tail inside shard_map: o_proj partial, all-reduce, AttnRes.
+def all_reduce(partial, axis_name):
+    """`all_reduce_ranks` of this device's rows [B, H] inside shard_map."""
+    return all_reduce_ranks(partial[None], axis_name)
+
+
+def oproj_attn_res_ranks(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
+                         num_blocks, has_delta, axis_name=None, eps=EPS, out_eps=EPS):
+    """Post-attention tail of R ranks' shards x [R, B, K_local], w [R, H, K_local]: o_proj
+    partials, their all-reduce (over the leading axis, then `axis_name`), AttnRes.
 
     With `has_delta` the reduced attn_out is the delta of `prefix`; without it attn_out starts
     a new block and is the returned prefix (`prefix` is then not read).
     """
-    return post_attention(all_reduce(oproj_partial(x, w), axis_name), prefix, blocks,
-                          res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks,
+    return post_attention(all_reduce_ranks(jax.vmap(oproj_partial)(x, w), axis_name), prefix,
+                          blocks, res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks,
                           has_delta=has_delta, eps=eps, out_eps=out_eps)
+
+
+def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
+                   num_blocks, has_delta, eps=EPS, out_eps=EPS):
+    """The tail inside shard_map: this rank's x [B, K_local], w [H, K_local]."""
+    return oproj_attn_res_ranks(x[None], w[None], prefix, blocks, res_norm_w, res_proj_w,
+                                out_norm_w, num_blocks=num_blocks, has_delta=has_delta,
+                                axis_name=axis_name, eps=eps, out_eps=out_eps)
 
 
 def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
                            num_blocks, has_delta, eps=EPS, out_eps=EPS):
-    """`oproj_attn_res` of every rank on one device: x [TP, B, K/TP], w [TP, H, K/TP]."""
-    return post_attention(all_reduce_ranks(jax.vmap(oproj_partial)(x, w)), prefix, blocks,
-                          res_norm_w, res_proj_w, out_norm_w, num_blocks=num_blocks,
-                          has_delta=has_delta, eps=eps, out_eps=out_eps)
+    """The tail of every rank on one device: x [TP, B, K/TP], w [TP, H, K/TP]."""
+    return oproj_attn_res_ranks(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
+                                num_blocks=num_blocks, has_delta=has_delta, eps=eps,
+                                out_eps=out_eps)
 
 
 def post_attention(attn_out, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks,
