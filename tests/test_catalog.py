@@ -73,3 +73,17 @@ def test_regions_cover_every_batch_once():
             for choice, first, last in regions:
                 b = catalog.region_batch(choice, first, last)
                 assert oproj.choose(b, k, tp, () if ahead else None) == choice
+
+
+def test_recording_sees_what_jax_had_cached():
+    """A second recording of the same catalog entries in one process sees every call again
+    (a cached trace makes no launch: recording clears JAX's caches first)."""
+    def names():
+        seen = set()
+        with backend.kernel_mode_set("jit"), launch.recording(lambda c, fn, i: seen.add(c.name)):
+            for _, function, args in catalog.decode_calls((2,), 2):
+                jax.make_jaxpr(function)(*args)
+        return seen
+
+    first = names()
+    assert first and names() == first

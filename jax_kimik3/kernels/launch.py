@@ -89,7 +89,9 @@ _recorders: list[Callable] = []
 
 @contextlib.contextmanager
 def recording(record: Callable):
-    """Within it, every JIT launch also calls record(call, cutlass_call_fn, inputs)."""
+    """Within it, every JIT launch also calls record(call, cutlass_call_fn, inputs). JAX's
+    caches are cleared first: a trace cached from before would make no launch to record."""
+    jax.clear_caches()
     _recorders.append(record)
     try:
         yield
