@@ -27,7 +27,9 @@ Constraints: H = CLUSTER · THREADS · 8; 1 <= B (one cluster per row, grid (CLU
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
@@ -109,6 +111,39 @@ def store_statistics(z: list, blocks: cute.Tensor, row, col, mixture: cute.Tenso
         scal[item, 1] = total
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttnResTensors:
+    """The tensors of one AttnRes kernel, by name; None: absent in this variant (a const_expr
+    inside the kernel). Rows [R·B, H] out; the fused tail kernel passes its own."""
+
+    prefix: Any
+    delta: Any = None
+    blocks: Any
+    mixture: Any = None  # precomputed statistics (mixture [B, H], scal [B, 2])
+    scal: Any = None
+    res_norm_w: Any
+    res_proj_w: Any
+    out_norm_w: Any = None
+    ahead_norm_w: Any = None  # a later site's weights: its statistics stored ahead
+    ahead_proj_w: Any = None
+    table: Any = None  # a mailbox reduction's peer table and ranks [R]
+    ranks: Any = None
+    out: Any
+    new_prefix: Any = None
+    ahead_mixture: Any = None
+    ahead_scal: Any = None
+
+    def vectors(self) -> AttnResTensors:
+        """The same with every [.., H] tensor seen as 8-element vectors (what `row` reads)."""
+        return dataclasses.replace(self, **{
+            name: vectors(getattr(self, name)) for name in VECTOR_TENSORS
+            if getattr(self, name) is not None})
+
+
+VECTOR_TENSORS = ("prefix", "blocks", "res_norm_w", "res_proj_w", "out", "delta", "mixture",
+                  "out_norm_w", "ahead_norm_w", "ahead_proj_w", "new_prefix", "ahead_mixture")
+
+
 class AttnResKernel:
     """out, new_prefix (and the block write, in place) from prefix, delta (or the mailbox
     reduction of R ranks' rows), blocks, weights: rows [R·B, H] out."""
@@ -122,26 +157,19 @@ class AttnResKernel:
                  res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
                  ahead_proj_w, table, ranks, out: cute.Tensor, new_prefix=None,
                  ahead_mixture=None, ahead_scal=None):
-        self.launch(stream, prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w,
-                    out_norm_w, ahead_norm_w, ahead_proj_w, table, ranks, out, new_prefix,
-                    ahead_mixture, ahead_scal)
+        """cutlass_call's order (attn_res_ops.SIGNATURE): inputs, then outputs."""
+        self.launch(stream, AttnResTensors(
+            prefix=prefix, delta=delta, blocks=blocks, mixture=mixture, scal=scal,
+            res_norm_w=res_norm_w, res_proj_w=res_proj_w, out_norm_w=out_norm_w,
+            ahead_norm_w=ahead_norm_w, ahead_proj_w=ahead_proj_w, table=table, ranks=ranks,
+            out=out, new_prefix=new_prefix, ahead_mixture=ahead_mixture, ahead_scal=ahead_scal))
 
     @cute.jit
-    def launch(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
-               res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
-               ahead_proj_w, table, ranks, out: cute.Tensor, new_prefix, ahead_mixture,
-               ahead_scal):
+    def launch(self, stream, t: AttnResTensors):
         """The kernel on `stream`, one cluster per output row (R·B); the tail calls launch it
         after the rows' producers."""
-        batch = cute.size(prefix, mode=[0])
-
-        def optional(t):
-            return vectors(t) if cutlass.const_expr(t is not None) else None
-
-        self.kernel(vectors(prefix), optional(delta), vectors(blocks), optional(mixture), scal,
-                    vectors(res_norm_w), vectors(res_proj_w), optional(out_norm_w),
-                    optional(ahead_norm_w), optional(ahead_proj_w), table, ranks, vectors(out),
-                    optional(new_prefix), optional(ahead_mixture), ahead_scal, batch).launch(
+        batch = cute.size(t.prefix, mode=[0])
+        self.kernel(t.vectors(), batch).launch(
             grid=[CLUSTER, self.ranks * batch, 1], block=[THREADS, 1, 1],
             cluster=[CLUSTER, 1, 1], smem=_smem_bytes(2, self.exchanged), stream=stream)
 
@@ -152,26 +180,18 @@ class AttnResKernel:
         return (2 + self.v.ahead) * self.v.sources + (self.v.reduction is not None)
 
     @cute.kernel
-    def kernel(self, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
-               res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w, ahead_norm_w,
-               ahead_proj_w, table, ranks, out: cute.Tensor, new_prefix, ahead_mixture,
-               ahead_scal, batch: cutlass.Int32):
+    def kernel(self, t: AttnResTensors, batch: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, item, _ = cute.arch.block_idx()
-        self.row(tidx, cta, item, batch, prefix, delta, blocks, mixture, scal, res_norm_w,
-                 res_proj_w, out_norm_w, ahead_norm_w, ahead_proj_w, table, ranks, out,
-                 new_prefix, ahead_mixture, ahead_scal)
+        self.row(tidx, cta, item, batch, t)
         if cutlass.const_expr(self.v.reduction is not None):
             if tidx == 0:  # the row's barriers: every thread has read the control words
-                finish_call(table, ranks, self.ranks, self.v.reduction.spec.layout)
+                finish_call(t.table, t.ranks, self.ranks, self.v.reduction.spec.layout)
 
     @cute.jit
-    def row(self, tidx, cta, item, batch, prefix: cute.Tensor, delta, blocks: cute.Tensor,
-            mixture, scal, res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w,
-            ahead_norm_w, ahead_proj_w, table, ranks, out: cute.Tensor, new_prefix,
-            ahead_mixture, ahead_scal):
+    def row(self, tidx, cta, item, batch, t: AttnResTensors):
         """Thread `tidx` of cluster CTA `cta` on output row `item` (rank item // batch's
-        token row; steps 1-4 of the module docstring); the tensors as `kernel` takes them.
+        token row; steps 1-4 of the module docstring), the tensors seen as vectors.
         Called by THREADS threads of each of the cluster's CLUSTER CTAs (it has CTA and
         cluster barriers: any other thread of the CTA must have exited); the fused tail
         kernel calls it too, row after row."""
@@ -187,40 +207,40 @@ class AttnResKernel:
         norm_warp = smem.allocate_tensor(Float32, _row_major(WARPS, 1), byte_alignment=16)
         norm_cluster = smem.allocate_tensor(Float32, _row_major(CLUSTER, 1), byte_alignment=16)
 
-        gw = load_f32(res_norm_w, col) * load_f32(res_proj_w, col)
+        gw = load_f32(t.res_norm_w, col) * load_f32(t.res_proj_w, col)
         extra = []
         if cutlass.const_expr(v.reduction is not None):
-            reduced, ok = self.reduced(table, ranks[i], row, col)
+            reduced, ok = self.reduced(t.table, t.ranks[i], row, col)
             extra = [Float32(1.0) - Float32(ok)]  # this thread's failure, summed per row
             if cutlass.const_expr(v.has_delta):
-                p = (load_f32(prefix, (row, col)) + reduced).to(cutlass.BFloat16).to(Float32)
+                p = (load_f32(t.prefix, (row, col)) + reduced).to(cutlass.BFloat16).to(Float32)
             else:
                 p = reduced
         else:
-            p = load_f32(prefix, (row, col))
+            p = load_f32(t.prefix, (row, col))
             if cutlass.const_expr(v.has_delta):
-                p = (p + load_f32(delta, (row, col))).to(cutlass.BFloat16).to(Float32)
+                p = (p + load_f32(t.delta, (row, col))).to(cutlass.BFloat16).to(Float32)
             if cutlass.const_expr(v.stores_prefix):
-                store(new_prefix, (item, col), p)
+                store(t.new_prefix, (item, col), p)
         if cutlass.const_expr(v.write_idx >= 0):
-            store(blocks, (row, v.write_idx, col), p)
+            store(t.blocks, (row, v.write_idx, col), p)
 
-        saved = [load_f32(blocks, (row, s, col)) for s in range(v.sources - 1)]
+        saved = [load_f32(t.blocks, (row, s, col)) for s in range(v.sources - 1)]
         keys = [(gw, v.eps)]
         if cutlass.const_expr(v.ahead):
-            keys.append((load_f32(ahead_norm_w, col) * load_f32(ahead_proj_w, col), v.eps))
+            keys.append((load_f32(t.ahead_norm_w, col) * load_f32(t.ahead_proj_w, col), v.eps))
         logits, failures = cluster_logits(saved + [p], keys, extra, warp_buf, cluster_buf, cta)
         z = logits[0]
         scale = Float32(1.0)
         if cutlass.const_expr(v.reduction is not None):  # NaN over the whole row on a failure
             scale = one_or_nan(Int32(failures[0] == Float32(0.0)))
-            store(new_prefix, (item, col), p * scale)
+            store(t.new_prefix, (item, col), p * scale)
 
         if cutlass.const_expr(v.precomputed):
-            m, s_saved = scal[row, 0], scal[row, 1]
+            m, s_saved = t.scal[row, 0], t.scal[row, 1]
             top = cute.arch.fmax(m, z[0])
             c, w_p = cute.math.exp(m - top), cute.math.exp(z[0] - top)
-            mix = (load_f32(mixture, (row, col)) * c + p * w_p) * (1.0 / (c * s_saved + w_p))
+            mix = (load_f32(t.mixture, (row, col)) * c + p * w_p) * (1.0 / (c * s_saved + w_p))
         else:
             top = maximum(z)
             e = cute.math.exp(z[v.num_blocks] - top)
@@ -230,20 +250,20 @@ class AttnResKernel:
                 # across the cluster exchange: that keeps a B = 64 grid in one wave.
                 e = cute.math.exp(z[s] - top)
                 total = total + e
-                acc = acc + load_f32(blocks, (row, s, col)) * e
+                acc = acc + load_f32(t.blocks, (row, s, col)) * e
             mix = acc * (1.0 / total)
 
         if cutlass.const_expr(v.out_norm):
             sq = cluster_sums([(mix * mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)],
                               norm_warp, norm_cluster, CLUSTER, cta)
             r = cute.math.rsqrt(sq[0] * (1.0 / HIDDEN) + v.out_eps)
-            mix = mix * r * load_f32(out_norm_w, col)
+            mix = mix * r * load_f32(t.out_norm_w, col)
         if cutlass.const_expr(v.reduction is not None):
             mix = mix * scale
-        store(out, (item, col), mix)
+        store(t.out, (item, col), mix)
         if cutlass.const_expr(v.ahead):  # the later site's logits of the saved blocks (not p)
-            store_statistics(logits[1][:v.num_blocks], blocks, row, col, ahead_mixture,
-                             ahead_scal, item)
+            store_statistics(logits[1][:v.num_blocks], t.blocks, row, col, t.ahead_mixture,
+                             t.ahead_scal, item)
 
     @cute.jit
     def reduced(self, table: cute.Tensor, rank, row, col):

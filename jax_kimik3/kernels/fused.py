@@ -21,7 +21,7 @@ import cutlass.cute as cute
 
 from jax_kimik3.kernels import attn_res as attn_res_kernels
 from jax_kimik3.kernels import producer
-from jax_kimik3.kernels.attn_res import HIDDEN
+from jax_kimik3.kernels.attn_res import HIDDEN, AttnResTensors
 from jax_kimik3.kernels.attn_res_ops import AttnResVariant
 from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, ROWS,
                                          THREADS, WARP)
@@ -101,9 +101,10 @@ class OprojAttnResFused:
         # 2. consumer rows: THREADS threads per CTA; the other warps exit here
         if tidx < THREADS:
             for row in cutlass.range(cluster, self.ranks * self.batch, self.clusters):
-                self.consumer.row(tidx, cta, row, self.batch, prefix, None, blocks, None, None,
-                                  res_norm_w, res_proj_w, out_norm_w, None, None, table, ranks,
-                                  out, new_prefix, None, None)
+                self.consumer.row(tidx, cta, row, self.batch, AttnResTensors(
+                    prefix=prefix, blocks=blocks, res_norm_w=res_norm_w, res_proj_w=res_proj_w,
+                    out_norm_w=out_norm_w, table=table, ranks=ranks, out=out,
+                    new_prefix=new_prefix))
             if tidx == 0:  # the items' barriers: every thread has read the control words
                 finish_call(table, ranks, self.ranks, self.layout)
 

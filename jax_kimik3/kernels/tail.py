@@ -13,7 +13,7 @@ import functools
 import cutlass
 import cutlass.cute as cute
 
-from jax_kimik3.kernels.attn_res import HIDDEN, AttnResKernel
+from jax_kimik3.kernels.attn_res import HIDDEN, AttnResKernel, AttnResTensors
 from jax_kimik3.kernels.attn_res_ops import AttnResVariant
 from jax_kimik3.kernels.lamport import AllReduce
 from jax_kimik3.kernels.producer import OprojProducer
@@ -49,9 +49,11 @@ class Tail:
         else:
             self.all_reduce.launch_publish(stream, rows, table, ranks, batch)
         self.all_reduce.launch_owner(stream, table, ranks, batch)
-        self.consumer.launch(stream, prefix, None, blocks, None, None, res_norm_w, res_proj_w,
-                             out_norm_w, ahead_norm_w, ahead_proj_w, table, ranks, out,
-                             new_prefix, ahead_mixture, ahead_scal)
+        self.consumer.launch(stream, AttnResTensors(
+            prefix=prefix, blocks=blocks, res_norm_w=res_norm_w, res_proj_w=res_proj_w,
+            out_norm_w=out_norm_w, ahead_norm_w=ahead_norm_w, ahead_proj_w=ahead_proj_w,
+            table=table, ranks=ranks, out=out, new_prefix=new_prefix,
+            ahead_mixture=ahead_mixture, ahead_scal=ahead_scal))
 
 
 @functools.cache
