@@ -4,7 +4,8 @@ from jax_kimik3.api import (all_reduce, all_reduce_virtual, attn_res, attn_res_s
                             oproj_attn_res, oproj_attn_res_virtual)
 from jax_kimik3.config import KIMI_K3, CallSite, KimiK3Config, LayerPlan
 from jax_kimik3.layer import AttentionTail, AttnResWeights, final_attn_res
-from jax_kimik3.mailbox import DEFAULT_TIMEOUT_MS, Mailbox, MailboxLayout, MailboxSpec
+from jax_kimik3.layout import DEFAULT_TIMEOUT_MS, MailboxLayout, MailboxSpec
+from jax_kimik3.mailbox import Mailbox
 from jax_kimik3.statistics import AttnResStatistics
 
 __all__ = [

@@ -16,7 +16,8 @@ import jax
 from jax_kimik3 import api
 from jax_kimik3.backend import BACKENDS, Backend
 from jax_kimik3.config import KIMI_K3, LayerPlan
-from jax_kimik3.mailbox import Mailbox, MailboxSpec
+from jax_kimik3.layout import MailboxSpec
+from jax_kimik3.mailbox import Mailbox
 
 
 class AttnResWeights(NamedTuple):

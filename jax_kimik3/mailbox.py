@@ -3,22 +3,12 @@
 Each rank owns one buffer, allocated with cuda-python's VMM API (cuMemCreate on the rank's
 device, cuMemMap into one virtual range, cuMemSetAccess for every device of the mailbox), so a
 single process's kernels read and write every rank's buffer through one address (unified VA).
-A rank's buffer at these byte offsets (T = TP, C = capacity rows, H = hidden; bf16 unless said):
-
-| region | shape | bytes |
-|---|---|---|
-| one-shot slots | [2 buffers, T ranks, C, H] | 2·T·C·H·2 |
-| two-shot receive | [2, T ranks, C, H/T] (chunk `rank` of each peer's rows) | 2·C·H·2 |
-| two-shot gather | [2, C, H] (every owner's reduced chunk) | 2·C·H·2 |
-| control | int32 words (CONTROL): the call counter, the failure record | 32 |
-
-rounded up to the allocation granularity. Every bf16 region is armed with the 32-bit word
-0x80000000 (SENTINEL); the control words start at 0. Which of the two buffers a call uses is
+A rank's buffer holds the regions of jax_kimik3/layout.py (the kernels address them from
+the same module), rounded up to the allocation granularity; `arm()` writes SENTINEL into
+every bf16 region and zeroes the control words. Which of the two buffers a call uses is
 `calls % 2`, from the rank's own call counter in device memory, which the last kernel of every
 all-reduce advances: the buffers alternate with the sequence of calls, whatever the layer.
-Kernels find the buffers through the peer table: uint32 [T + 1, 2] = (low, high) words of
-each rank's address, then of the multicast address (0 without one): an ordinary JAX input, no
-x64 needed. "Virtual TP" puts all T buffers on one device, so one GPU runs the protocol.
+Kernels find the buffers through the peer table (`peer_table`), an ordinary JAX input. "Virtual TP" puts all T buffers on one device, so one GPU runs the protocol.
 docs/protocol.md has the protocol: arming, one-shot, two-shot, fused, why two buffers are
 safe, the memory model of every store and poll, timeouts and recovery.
 
@@ -32,147 +22,17 @@ it has therefore never run here.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import numbers
 import os
 import weakref
 
 import numpy as np
 
-from jax_kimik3.config import KIMI_K3, check_int
+from jax_kimik3.config import check_int
+from jax_kimik3.layout import (CONTROL, DEFAULT_TIMEOUT_MS, SENTINEL, WAITERS, MailboxLayout,
+                               MailboxSpec, align, peer_table)
 
-SENTINEL = 0x80000000  # fp32 -0: a mailbox word no producer can publish (bf16 -0 becomes +0)
-BUFFERS = 2  # slot buffers; a call uses buffer `calls % 2` (docs/protocol.md: why two suffice)
-DEFAULT_TIMEOUT_MS = 10_000.0  # a wait gives up after this long (Mailbox(timeout_ms=...))
-MAX_TIMEOUT_MS = 600_000.0  # ten minutes: a longer bound is no bound
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
                  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-_ALIGN = 256
-
-
-class CONTROL:
-    """Indices of the int32 control words of a rank's buffer (at MailboxLayout.control)."""
-
-    CALLS = 0  # all-reduces this rank has completed since arm(): the next uses buffer CALLS % 2
-    FAILED = 1  # nonzero: a rank's wait gave up; every kernel on the mailbox writes NaN, waits not
-    TIMED_OUT = 2  # 1 + CALLS of the call in which this rank's own wait gave up (0: never)
-    MISSING = 3  # bit q: this rank's wait gave up on rows of rank q
-    WAITER = 4  # which kernel gave up (WAITERS)
-    ARRIVALS = 5  # CTAs of the running call's last kernel that are done (the last advances CALLS)
-    WORDS = 8
-
-
-WAITERS = {1: "all-reduce consumer", 2: "two-shot owner", 3: "AttnRes tail consumer"}
-
-
-def _align(n, to=_ALIGN):
-    return (n + to - 1) // to * to
-
-
-def check_timeout_ms(value) -> float:
-    """A wait's bound in ms: a finite number in (0, MAX_TIMEOUT_MS]."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_MS):
-        raise ValueError(f"timeout_ms={value!r} must be a number in (0, {MAX_TIMEOUT_MS:g}] "
-                         "(milliseconds a wait may last before it gives up)")
-    return float(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class MailboxLayout:
-    """Byte offsets inside one rank's buffer (see the module docstring); pure arithmetic.
-    `buffer` may be a traced device integer: the kernels pass `calls % 2`."""
-
-    tp: int
-    capacity: int = KIMI_K3.mailbox_capacity
-    hidden: int = KIMI_K3.hidden_size
-
-    def __post_init__(self):
-        check_int("tp", self.tp, 1)
-        check_int("capacity", self.capacity, 1)
-        check_int("hidden", self.hidden, 1)
-        if self.hidden % (8 * self.tp):
-            raise ValueError(f"tp={self.tp} must be >= 1 and divide hidden={self.hidden} into "
-                             "whole 8-element vectors")
-
-    @property
-    def row_bytes(self) -> int:
-        return self.hidden * 2
-
-    @property
-    def chunk(self) -> int:
-        """Columns of the two-shot chunk each rank owns: H / TP."""
-        return self.hidden // self.tp
-
-    def slot(self, buffer, rank, row=0):
-        """Row `row` of the one-shot slot that rank `rank` publishes into, in `buffer`."""
-        return ((buffer * self.tp + rank) * self.capacity + row) * self.row_bytes
-
-    @property
-    def one_shot_bytes(self) -> int:
-        return BUFFERS * self.tp * self.capacity * self.row_bytes
-
-    def receive(self, buffer, rank, row=0):
-        """Row `row` of the two-shot receive slot of sending rank `rank`: H/T columns."""
-        chunk_bytes = self.chunk * 2
-        return self.one_shot_bytes + ((buffer * self.tp + rank) * self.capacity + row) * chunk_bytes
-
-    def gather(self, buffer, row=0):
-        """Row `row` of the two-shot gather region of `buffer`."""
-        return self.one_shot_bytes + BUFFERS * self.capacity * self.row_bytes + (
-            buffer * self.capacity + row) * self.row_bytes
-
-    @property
-    def armed_bytes(self) -> int:
-        """The sentinel-armed prefix of the buffer: every bf16 region."""
-        return self.gather(BUFFERS)
-
-    @property
-    def control(self) -> int:
-        """Byte offset of the control words (CONTROL)."""
-        return _align(self.armed_bytes)
-
-    def word(self, index) -> int:
-        """Byte offset of control word `index` (a CONTROL attribute)."""
-        return self.control + 4 * index
-
-    @property
-    def nbytes(self) -> int:
-        return self.control + _ALIGN
-
-
-@dataclasses.dataclass(frozen=True)
-class MailboxSpec:
-    """What a traced step needs to know of a mailbox, without its memory: the layout, whether
-    it is multicast, and how long a wait may last. With it, the peer table travels as an
-    operand (`peer_table=`), so a compiled or exported step is not tied to one process's
-    buffer addresses. `virtual`: every rank's buffer on one device (no mesh can use it)."""
-
-    layout: MailboxLayout
-    multicast: bool = False
-    timeout_ms: float = DEFAULT_TIMEOUT_MS
-    virtual: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.layout, MailboxLayout):
-            raise ValueError(f"layout={self.layout!r} must be a MailboxLayout")
-        for name in ("multicast", "virtual"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
-        object.__setattr__(self, "timeout_ms", check_timeout_ms(self.timeout_ms))
-
-    @property
-    def tp(self) -> int:
-        return self.layout.tp
-
-    @property
-    def timeout_ns(self) -> int:
-        return int(self.timeout_ms * 1e6)
-
-    @property
-    def spec(self) -> MailboxSpec:
-        return self
 
 
 def refuse_multicast(environ=os.environ):
@@ -181,13 +41,6 @@ def refuse_multicast(environ=os.environ):
         if environ.get(name) == off:
             raise RuntimeError(
                 f"multicast mailbox refused: {name}={off} disables NVLink multicast here")
-
-
-def peer_table(addresses, multicast=0) -> np.ndarray:
-    """uint32 [T + 1, 2]: each rank buffer's address, then the multicast address (0: none),
-    as (low, high) 32-bit words."""
-    words = np.asarray([*addresses, multicast], np.uint64).view(np.uint32)
-    return words.reshape(len(addresses) + 1, 2)
 
 
 class Driver:
@@ -388,7 +241,7 @@ class Mailbox:
             granularity = max(int(granularity), int(cu(
                 "cuMulticastGetGranularity", self._multicast_prop(self.layout.nbytes),
                 raw.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM)))
-        size = _align(self.layout.nbytes, int(granularity))
+        size = align(self.layout.nbytes, int(granularity))
         handle = cu("cuMemCreate", size, prop, 0)
         try:
             return self._map(handle, size), size, handle

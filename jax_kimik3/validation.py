@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 from jax_kimik3 import backend as backends
 from jax_kimik3.config import KIMI_K3
-from jax_kimik3.mailbox import Mailbox, MailboxSpec
+from jax_kimik3.layout import MailboxSpec
+from jax_kimik3.mailbox import Mailbox
 from jax_kimik3.statistics import AttnResStatistics
 
 CAPACITY = KIMI_K3.mailbox_capacity

@@ -11,7 +11,7 @@ import pytest
 
 from jax_kimik3 import tuning
 from jax_kimik3.config import KIMI_K3
-from jax_kimik3.mailbox import MailboxLayout, MailboxSpec
+from jax_kimik3.layout import MailboxLayout, MailboxSpec
 from tests.lowering import CUSTOM_CALL, kept_ptx, kernel_calls, spec
 
 pytest.importorskip("cutlass")
@@ -135,7 +135,7 @@ def test_fused_ptx(tmp_path):
     ptx = kept_ptx(f"""
         import jax, jax.numpy as jnp
         from jax_kimik3.kernels import oproj
-        from jax_kimik3.mailbox import MailboxLayout, MailboxSpec
+        from jax_kimik3.layout import MailboxLayout, MailboxSpec
         s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
         f = lambda x, w, p, bl, g, pw, o, t, r: oproj.tail(
             x, w, p, bl, g, pw, o, table=t, ranks=r, spec=MailboxSpec(MailboxLayout(4)),

@@ -12,8 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
 from tests.lowering import entries, kept_ptx
-from jax_kimik3.mailbox import (BUFFERS, CONTROL, MULTICAST_OFF, SENTINEL, Mailbox,
-                                MailboxLayout, MailboxSpec, peer_table, refuse_multicast)
+from jax_kimik3.layout import (BUFFERS, CONTROL, SENTINEL, MailboxLayout, MailboxSpec,
+                               peer_table)
+from jax_kimik3.mailbox import MULTICAST_OFF, Mailbox, refuse_multicast
 
 H, C = k3.KIMI_K3.hidden_size, k3.KIMI_K3.mailbox_capacity
 K_TOTAL = k3.KIMI_K3.o_proj_in_features

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_kimik3.config import KIMI_K3
-from jax_kimik3.mailbox import MailboxLayout, MailboxSpec
+from jax_kimik3.layout import MailboxLayout, MailboxSpec
 from tests.lowering import CUSTOM_CALL, kept_ptx, kernel_calls, lower_for_cuda, spec
 
 pytest.importorskip("cutlass")

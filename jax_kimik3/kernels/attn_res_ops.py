@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jax_kimik3 import reference
 from jax_kimik3.kernels.launch import Variant, launch
-from jax_kimik3.mailbox import MailboxSpec
+from jax_kimik3.layout import MailboxSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from jax_kimik3 import decode, tuning
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels import attn_res_ops, lamport_ops, oproj
 from jax_kimik3.layer import AttnResWeights, final_attn_res
-from jax_kimik3.mailbox import MailboxLayout, MailboxSpec
+from jax_kimik3.layout import MailboxLayout, MailboxSpec
 from jax_kimik3.statistics import AttnResStatistics
 
 TP_VALUES = (1, 2, 4, 8, 16)

@@ -1,8 +1,8 @@
 """Lamport all-reduce over peer mailboxes (sm_90a): publish, two-shot owner and consumer
 kernels, and `AllReduce`, the one call that launches them for R ranks.
 
-Ranks `ranks` [R] of T, rows [R, B, H] bf16 (docs/protocol.md has the protocol; the mailbox
-module the layout). Every kernel first reads its rank's control words: the call counter picks
+Ranks `ranks` [R] of T, rows [R, B, H] bf16 (docs/protocol.md has the protocol;
+jax_kimik3/layout.py the layout). Every kernel first reads its rank's control words: the call counter picks
 the buffer (calls % 2), FAILED set means the mailbox gave up earlier (no waits, NaN out).
 One-shot
 1. publish: r's rows, each bf16 -0 rewritten to +0, go to slot r of every rank's mailbox
@@ -38,7 +38,7 @@ from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, address_of, cal
                                            f32_to_words, fence_system, finish_call, load_words,
                                            multicast_words, poison_words, poll, poll_sum, rearm,
                                            store_words, without_negative_zero)
-from jax_kimik3.mailbox import SENTINEL, MailboxLayout, MailboxSpec
+from jax_kimik3.layout import SENTINEL, MailboxLayout, MailboxSpec
 
 CONSUMER, OWNER = 1, 2  # WAITERS codes (jax_kimik3.mailbox)
 
@@ -105,16 +105,16 @@ class AllReduce:
         self.launch_publish(stream, rows, table, ranks, batch)
         self.launch_owner(stream, table, ranks, batch)
         self.consume(table, ranks, out, batch).launch(
-            grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR), block=[FLAT_THREADS, 1, 1],
-            stream=stream)
+            grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR),
+            block=[FLAT_THREADS, 1, 1], stream=stream)
 
     @cute.jit
     def launch_publish(self, stream, rows: cute.Tensor, table: cute.Tensor, ranks: cute.Tensor,
                        batch):
         """The publish kernel of rows [R·B, H] (the tail of XLA's dot launches it too)."""
         self.publish(rows, table, ranks, batch).launch(
-            grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR), block=[FLAT_THREADS, 1, 1],
-            stream=stream)
+            grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR),
+            block=[FLAT_THREADS, 1, 1], stream=stream)
 
     @cute.jit
     def launch_owner(self, stream, table: cute.Tensor, ranks: cute.Tensor, batch):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kimik3.kernels.launch import Variant, launch
-from jax_kimik3.mailbox import MailboxSpec
+from jax_kimik3.layout import MailboxSpec
 
 
 def kernel_spec(spec: MailboxSpec) -> MailboxSpec:

@@ -34,7 +34,7 @@ from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
 from jax_kimik3.kernels.geometry import CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, WARP
 from jax_kimik3.kernels.lamport_ops import kernel_spec
 from jax_kimik3.kernels.launch import Variant, launch
-from jax_kimik3.mailbox import MailboxSpec
+from jax_kimik3.layout import MailboxSpec
 
 
 class TailChoice(NamedTuple):

@@ -28,7 +28,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_kimik3.kernels.geometry import VECTOR, VECTOR_BYTES, WARP  # noqa: F401 (re-exported)
-from jax_kimik3.mailbox import CONTROL, SENTINEL
+from jax_kimik3.layout import CONTROL, SENTINEL
 
 NEG_ZERO_BF16 = 0x8000
 NAN_BF16_PAIR = 0x7FC07FC0  # two bf16 quiet NaNs: OR-ed into a word, it reads as NaN

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.geometry import TOKENS
 from jax_kimik3.kernels.launch import Variant, launch
-from jax_kimik3.mailbox import MailboxSpec
+from jax_kimik3.layout import MailboxSpec
 
 
 def tiles(batch) -> int:
