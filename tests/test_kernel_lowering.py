@@ -115,3 +115,35 @@ def test_ptx_is_hopper_cluster_code(tmp_path):
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx  # 16-byte row vectors
+
+
+def test_every_kernel_object_takes_its_signature():
+    """Each family's kernel object takes (stream, *inputs, *outputs) by the names of the
+    Signature its calls are built from, in order: a parameter added on one side only fails."""
+    import inspect
+
+    from jax_kimik3.kernels import (attn_res, attn_res_ops, fused, lamport, lamport_ops, oproj,
+                                    producer, producer_ops, tail)
+
+    pairs = [(attn_res.AttnResKernel, attn_res_ops.SIGNATURE),
+             (attn_res.StatisticsKernel, attn_res_ops.STATISTICS),
+             (lamport.AllReduce, lamport_ops.ALL_REDUCE),
+             (lamport.ArmedCheck, lamport_ops.ARMED_CHECK),
+             (producer.OprojProducer, producer_ops.PROJECT),
+             (tail.Tail, oproj.TAIL),
+             (fused.OprojAttnResFused, oproj.FUSED)]
+    for kernel, signature in pairs:
+        names = list(inspect.signature(inspect.unwrap(kernel.__call__)).parameters)
+        assert names[:2] == ["self", "stream"], kernel
+        assert tuple(names[2:]) == signature.inputs + signature.outputs, kernel
+
+
+def test_signature_refuses_unknown_names_and_misplaced_buffers():
+    from jax_kimik3.kernels.launch import Signature, Variant
+
+    sig = Signature(inputs=("a", "b"), outputs=("out", "extra"))
+    variant = Variant("oproj", (1, 256, 16))
+    with pytest.raises(ValueError, match=r"oproj: no parameter\(s\) \['c'\]"):
+        sig.call(variant, {"a": 1, "c": 2}, {})
+    with pytest.raises(ValueError, match=r"into=\['extra'\] must be the first outputs"):
+        sig.call(variant, {"a": 1}, {}, into={"extra": jnp.zeros(1)})

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kimik3 import reference
-from jax_kimik3.kernels.launch import Variant, launch
+from jax_kimik3.kernels.launch import Signature, Variant
 from jax_kimik3.layout import MailboxSpec
 
 
@@ -62,25 +62,40 @@ class AttnResVariant:
         return 1 if self.reduction is None else self.reduction.ranks
 
 
-def outputs(variant: AttnResVariant, batch: int, hidden: int) -> list:
-    """The kernel's results, in order: out, [new_prefix], [mixture, scal] (ahead), each with
-    R·B rows; the block write (an alias of `blocks`) comes after them."""
+SIGNATURE = Signature(  # kernels/attn_res.py: AttnResKernel; the tails' consumer reads these too
+    inputs=("prefix", "delta", "blocks", "mixture", "scal", "res_norm_w", "res_proj_w",
+            "out_norm_w", "ahead_norm_w", "ahead_proj_w", "table", "ranks"),
+    outputs=("out", "new_prefix", "ahead_mixture", "ahead_scal"))
+STATISTICS = Signature(inputs=("blocks", "res_norm_w", "res_proj_w"),
+                       outputs=("mixture", "scal"))  # kernels/attn_res.py: StatisticsKernel
+
+
+def outputs(variant: AttnResVariant, batch: int, hidden: int) -> dict:
+    """The kernel's results by name: out, [new_prefix], [ahead_mixture, ahead_scal] (ahead),
+    each with R·B rows."""
     rows = variant.ranks * batch
     row = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)
-    results = [row] * (1 + variant.stores_prefix)
+    results = {"out": row}
+    if variant.stores_prefix:
+        results["new_prefix"] = row
     if variant.ahead:
-        results += [jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
-                    jax.ShapeDtypeStruct((rows, 2), jnp.float32)]
+        results["ahead_mixture"] = jax.ShapeDtypeStruct((rows, hidden), jnp.float32)
+        results["ahead_scal"] = jax.ShapeDtypeStruct((rows, 2), jnp.float32)
     return results
 
 
-def results(variant: AttnResVariant, values, prefix, blocks):
-    """(out, new_prefix, new_blocks[, (mixture, scal)]) from the kernel's result list."""
-    out = values[0]
-    new_prefix = values[1] if variant.stores_prefix else prefix
-    new_blocks = values[-1] if variant.write_idx >= 0 else blocks
+def into_outputs(into) -> dict:
+    """Buffers to write the first outputs into (the GPU tests pass poisoned ones), by name."""
+    return dict(zip(SIGNATURE.outputs, into or ()))
+
+
+def results(variant: AttnResVariant, values: dict, prefix, blocks):
+    """(out, new_prefix, new_blocks[, (mixture, scal)]) from the kernel's results by name."""
+    out = values["out"]
+    new_prefix = values.get("new_prefix", prefix)
+    new_blocks = values.get("new_blocks", blocks)
     if variant.ahead:
-        return out, new_prefix, new_blocks, (values[2], values[3])
+        return out, new_prefix, new_blocks, (values["ahead_mixture"], values["ahead_scal"])
     return out, new_prefix, new_blocks
 
 
@@ -95,18 +110,13 @@ def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, 
                              stats is not None, float(eps), float(out_eps),
                              ahead=ahead is not None)
     mixture, scal = (None, None) if stats is None else stats
-    results_ = outputs(variant, *prefix.shape)
-    inputs = [prefix, delta, blocks, mixture, scal, res_norm_w, res_proj_w, out_norm_w,
-              *(ahead or (None, None)), None, None]
-    aliases = {}
-    if write_idx >= 0:  # the block write updates `blocks` in place
-        aliases[2] = len(results_)
-        results_.append(jax.ShapeDtypeStruct(blocks.shape, blocks.dtype))
-    if into is not None:
-        for buffer, index in zip(into, range(len(results_) - (write_idx >= 0))):
-            aliases[len(inputs)] = index
-            inputs.append(buffer)
-    values = launch(Variant("attn_res", (variant,)), tuple(results_), aliases)(*inputs)
+    ahead_norm_w, ahead_proj_w = ahead or (None, None)
+    inputs = dict(prefix=prefix, delta=delta, blocks=blocks, mixture=mixture, scal=scal,
+                  res_norm_w=res_norm_w, res_proj_w=res_proj_w, out_norm_w=out_norm_w,
+                  ahead_norm_w=ahead_norm_w, ahead_proj_w=ahead_proj_w)
+    values = SIGNATURE.call(Variant("attn_res", (variant,)), inputs,
+                            outputs(variant, *prefix.shape), into=into_outputs(into),
+                            updates={"blocks": "new_blocks"} if write_idx >= 0 else None)
     return results(variant, values, prefix, blocks)
 
 
@@ -115,10 +125,9 @@ def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps, into
     if num_blocks == 0:  # nothing to reduce: the empty softmax's constants
         return reference.attn_res_statistics(blocks, res_norm_w, res_proj_w, num_blocks=0, eps=eps)
     b, _, h = blocks.shape
-    outputs_ = (jax.ShapeDtypeStruct((b, h), jnp.float32), jax.ShapeDtypeStruct((b, 2), jnp.float32))
-    inputs = [blocks, res_norm_w, res_proj_w]
-    aliases = {}
-    if into is not None:
-        aliases = {len(inputs): 0, len(inputs) + 1: 1}
-        inputs += list(into)
-    return launch(Variant("statistics", (num_blocks, float(eps))), outputs_, aliases)(*inputs)
+    produce = {"mixture": jax.ShapeDtypeStruct((b, h), jnp.float32),
+               "scal": jax.ShapeDtypeStruct((b, 2), jnp.float32)}
+    values = STATISTICS.call(Variant("statistics", (num_blocks, float(eps))),
+                             dict(blocks=blocks, res_norm_w=res_norm_w, res_proj_w=res_proj_w),
+                             produce, into=dict(zip(STATISTICS.outputs, into or ())))
+    return values["mixture"], values["scal"]

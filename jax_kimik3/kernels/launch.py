@@ -126,6 +126,50 @@ def _from_library(call: Call) -> bool:
         f"or set {backend.KERNELS_ENV}=jit")
 
 
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """A kernel family's parameters by name, in the order its kernel object takes them after
+    the stream: `inputs` (any may be absent: None), then `outputs`. `call` builds the
+    positional `cutlass_call` from tensors by name; tests/test_kernel_lowering.py checks that
+    each kernel object's parameters are these names."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def call(self, variant: Variant, inputs: dict, produce: dict, *, into: dict | None = None,
+             updates: dict | None = None) -> dict:
+        """Run `variant` on `inputs` (name → array; missing names are absent) and return its
+        results by name: the outputs of `produce` (name → ShapeDtypeStruct), those written
+        into the buffers of `into` (name → array; the first outputs, in order), and per
+        `updates` (input name → result name) an input written in place."""
+        into, updates = into or {}, updates or {}
+        unknown = (set(inputs) - set(self.inputs)) | (set(produce) | set(into)) - set(self.outputs)
+        if unknown or set(updates) - set(inputs):
+            raise ValueError(f"{variant.family}: no parameter(s) {sorted(unknown)} among "
+                             f"inputs {self.inputs} and outputs {self.outputs}")
+        if list(into) != list(self.outputs[:len(into)]):
+            raise ValueError(f"{variant.family}: into={sorted(into)} must be the first "
+                             f"outputs of {self.outputs}")
+        args = [inputs.get(name) for name in self.inputs]
+        shapes, names, aliases = [], [], {}
+        for name in self.outputs:
+            if name in into:
+                aliases[len(args)] = len(shapes)
+                args.append(into[name])
+            if name in produce:
+                shapes.append(produce[name])
+            elif name in into:
+                shapes.append(jax.ShapeDtypeStruct(into[name].shape, into[name].dtype))
+            else:
+                continue
+            names.append(name)
+        for name, result in updates.items():
+            aliases[self.inputs.index(name)] = len(shapes)
+            shapes.append(jax.ShapeDtypeStruct(inputs[name].shape, inputs[name].dtype))
+            names.append(result)
+        return dict(zip(names, launch(variant, tuple(shapes), aliases)(*args)))
+
+
 def launch(variant: Variant, output_shape_dtype, input_output_aliases=None):
     """Like `cutlass_call(kernel, output_shape_dtype=..., input_output_aliases=...)`: returns
     a function of the inputs (None for an absent one) that runs `variant` in the kernel mode.

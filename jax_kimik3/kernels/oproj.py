@@ -33,8 +33,18 @@ from jax_kimik3.kernels import attn_res_ops, producer_ops, residency
 from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
 from jax_kimik3.kernels.geometry import CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, WARP
 from jax_kimik3.kernels.lamport_ops import kernel_spec
-from jax_kimik3.kernels.launch import Variant, launch
+from jax_kimik3.kernels.launch import Signature, Variant
 from jax_kimik3.layout import MailboxSpec
+
+
+TAIL = Signature(  # kernels/tail.py: Tail (rows from the producer: x, w; from XLA's dot: rows)
+    inputs=("x", "w", "rows", "prefix", "blocks", "res_norm_w", "res_proj_w", "out_norm_w",
+            "ahead_norm_w", "ahead_proj_w", "table", "ranks"),
+    outputs=attn_res_ops.SIGNATURE.outputs)
+FUSED = Signature(  # kernels/fused.py: OprojAttnResFused
+    inputs=("x", "w", "prefix", "blocks", "res_norm_w", "res_proj_w", "out_norm_w", "table",
+            "ranks"),
+    outputs=("out", "new_prefix"))
 
 
 class TailChoice(NamedTuple):
@@ -100,28 +110,28 @@ def launch_tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, tab
     attn_res = AttnResVariant(num_blocks, has_delta, -1, out_norm_w is not None, False,
                               float(eps), float(out_eps), Reduction(kernel_spec(spec), r, two_shot),
                               ahead=ahead is not None)
-    outputs = tuple(attn_res_ops.outputs(attn_res, b, h))
-    stacked = (x.reshape(r * b, k), w.reshape(r * h, k))
+    ahead_norm_w, ahead_proj_w = ahead or (None, None)
+    inputs = dict(prefix=prefix, blocks=blocks, res_norm_w=res_norm_w, res_proj_w=res_proj_w,
+                  out_norm_w=out_norm_w, table=table, ranks=ranks)
+    stacked = dict(x=x.reshape(r * b, k), w=w.reshape(r * h, k))
     if variant == "fused":
         # The fused kernel's shared memory leaves FUSED_CTAS_PER_SM per SM (kernels/fused.py).
         clusters = residency.clusters_here(CLUSTER, PRODUCER_WARPS * WARP, 0, FUSED_CTAS_PER_SM)
-        inputs = [*stacked, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table, ranks]
-        call = Variant("fused", (choice.batch, k, attn_res, clusters))
+        signature, call = FUSED, Variant("fused", (choice.batch, k, attn_res, clusters))
+        inputs.update(stacked)
     else:
+        inputs.update(ahead_norm_w=ahead_norm_w, ahead_proj_w=ahead_proj_w)
         if variant == "split":
-            sources, shapes = [*stacked, None], (choice.tiles, k)
+            inputs.update(stacked)
+            call = Variant("tail", (choice.tiles, k, attn_res))
         else:  # "xla": XLA's dot makes each rank's rows
-            rows = jax.vmap(reference.oproj_partial)(x, w).reshape(r * b, h)
-            sources, shapes = [None, None, rows], (None, None)
-        inputs = [*sources, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
-                  *(ahead or (None, None)), table, ranks]
-        call = Variant("tail", (*shapes, attn_res))
-    aliases = {}
-    if into is not None:
-        aliases = {len(inputs) + i: i for i in range(len(into))}
-        inputs += list(into)
-    values = launch(call, outputs, aliases)(*inputs)
-    out, new_prefix = (v.reshape(r, b, h) for v in values[:2])
+            inputs["rows"] = jax.vmap(reference.oproj_partial)(x, w).reshape(r * b, h)
+            call = Variant("tail", (None, None, attn_res))
+        signature = TAIL
+    values = signature.call(call, inputs, attn_res_ops.outputs(attn_res, b, h),
+                            into=attn_res_ops.into_outputs(into))
+    out, new_prefix = (values[name].reshape(r, b, h) for name in ("out", "new_prefix"))
     if ahead is None:
         return out, new_prefix
-    return out, new_prefix, (values[2].reshape(r, b, h), values[3].reshape(r, b, 2))
+    return out, new_prefix, (values["ahead_mixture"].reshape(r, b, h),
+                             values["ahead_scal"].reshape(r, b, 2))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.geometry import TOKENS
-from jax_kimik3.kernels.launch import Variant, launch
+from jax_kimik3.kernels.launch import Signature, Variant
 from jax_kimik3.layout import MailboxSpec
 
 
@@ -31,10 +31,14 @@ class Publish(NamedTuple):
     two_shot: bool
 
 
+PROJECT = Signature(inputs=("x", "w"), outputs=("out",))  # producer.OprojProducer.__call__
+
+
 def project(x, w, into=None):
     """bf16(x @ w.T) [B, N] on the producer kernel: x [B, K], w [N, K] bf16. `into`: a [B, N]
     buffer written in place (the GPU tests pass a poisoned one)."""
     b, k = x.shape
     n = w.shape[0]
-    return launch(Variant("oproj", (tiles(b), k, n)), jax.ShapeDtypeStruct((b, n), jnp.bfloat16),
-                  {} if into is None else {2: 0})(x, w, *([] if into is None else [into]))
+    return PROJECT.call(Variant("oproj", (tiles(b), k, n)), dict(x=x, w=w),
+                        {"out": jax.ShapeDtypeStruct((b, n), jnp.bfloat16)},
+                        into=None if into is None else {"out": into})["out"]
