@@ -85,7 +85,7 @@ def mesh_mode(args):
     if args.psum_only:
         print(json.dumps(times))
         return
-    one_shot_xla = with_xla_one_shot(__file__, ["--mode", "mesh", "--psum-only", "--batches",
+    one_shot_xla = with_xla_one_shot(__spec__.name, ["--mode", "mesh", "--psum-only", "--batches",
                                                  args.batches, "--sets", str(args.sets)], "psum")
     tp = len(jax.devices())
     rows = [dict(tp=tp, batch=b, one_shot_us=t["one_shot"], two_shot_us=t["two_shot"],

@@ -262,7 +262,7 @@ def main(argv=None):
     if "tail" in parts:
         times = tail_times(args)
         tp = len(jax.devices())
-        one_shot_xla = with_xla_one_shot(__file__, [
+        one_shot_xla = with_xla_one_shot(__spec__.name, [
             "--reference-only", "--batches", args.batches, "--sets", str(args.sets)],
             "reference") if tp > 1 else {}
         floor = 1e6 * H * (K_TOTAL // tp) * 2 / bandwidth  # this rank's weight, read once

@@ -90,12 +90,12 @@ def copy_bandwidth(size_bytes=512 << 20, count=8):
     return 2 * size_bytes / (per_call * 1e-6)
 
 
-def with_xla_one_shot(script, argv, column):
-    """{B: µs} of `column` from a child run of `script` (which prints {B: {column: µs}} as its
-    last line) in a process started with XLA's one-shot all-reduce kernel (XLA reads flags at
-    start-up); {} if the child fails."""
+def with_xla_one_shot(module, argv, column):
+    """{B: µs} of `column` from a child run of `python -m module` (which prints {B: {column:
+    µs}} as its last line) in a process started with XLA's one-shot all-reduce kernel (XLA
+    reads flags at start-up); {} if the child fails."""
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {XLA_ONE_SHOT}")
-    child = subprocess.run([sys.executable, script, *argv], env=env, capture_output=True,
+    child = subprocess.run([sys.executable, "-m", module, *argv], env=env, capture_output=True,
                            text=True)
     if child.returncode:
         print(f"XLA one-shot run failed:\n{child.stderr[-2000:]}", file=sys.stderr)
