@@ -1,7 +1,7 @@
 """Benchmark: the AttnRes kernel against the jitted pure-JAX reference (post-attention, delta).
 
 For each batch B and saved-block count K: median µs per call inside one jit (inputs rotated),
-achieved GB/s, the floor (bytes moved over the measured copy bandwidth), the speedup over the
+achieved GB/s, the floor (bytes moved over the measured read bandwidth), the speedup over the
 reference and the kernel's time over (floor + 2 µs). Writes bench_attn_res.json and .md to --out.
 
     python -m benchmarks.bench_attn_res --out /tmp/bench
@@ -18,7 +18,7 @@ import numpy as np
 
 import jax_kimik3 as k3
 from benchmarks import report
-from benchmarks.timing import copy_bandwidth, time_per_call
+from benchmarks.timing import read_bandwidth, time_per_call
 from jax_kimik3.inputs import attn_res_inputs
 
 H, NB = k3.KIMI_K3.hidden_size, k3.KIMI_K3.num_attn_res_blocks
@@ -33,7 +33,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("bench_attn_res needs a GPU")
-    bandwidth = copy_bandwidth()
+    bandwidth = read_bandwidth()
     rng = np.random.default_rng(0)
     rows = []
     for b in map(int, args.batches.split(",")):
@@ -49,9 +49,9 @@ def main(argv=None):
             rows.append(dict(batch=b, k=k, kernel_us=kernel, reference_us=ref,
                              speedup=ref / kernel, kernel_gbps=moved / kernel / 1e3,
                              floor_us=floor, vs_floor_plus_2us=kernel / (floor + 2.0)))
-    info = report.meta(copy_bandwidth_tbps=bandwidth / 1e12)
+    info = report.meta(read_bandwidth_tbps=bandwidth / 1e12)
     report.write(args.out, "bench_attn_res", info, rows,
-                 f"AttnRes kernel vs jitted reference (copy {bandwidth / 1e12:.2f} TB/s)", [
+                 f"AttnRes kernel vs jitted reference (read {bandwidth / 1e12:.2f} TB/s)", [
                      ("B", "{batch}"), ("K", "{k}"), ("kernel µs", "{kernel_us:.2f}"),
                      ("reference µs", "{reference_us:.2f}"), ("speedup", "{speedup:.2f}x"),
                      ("kernel GB/s", "{kernel_gbps:.0f}"), ("floor µs", "{floor_us:.2f}"),

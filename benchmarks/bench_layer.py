@@ -2,7 +2,7 @@
 
 oproj (one GPU): the o_proj producer kernel (`kernels.producer_ops.project`) against XLA's dot
   (cuBLAS) for one rank's weight [7168, 12288/TP], per B: µs, GB/s and the share of the
-  measured copy bandwidth (the floor: the weight read once).
+  measured read bandwidth (the floor: the weight read once).
 tail (a TP mesh of every local GPU): the kernel tail (`oproj_attn_res` with a mailbox:
   producer + AttnRes consumer) against the XLA reference (dot + psum + reference AttnRes),
   and on several GPUs the reference with XLA's one-shot all-reduce kernel (a child process,
@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
 from benchmarks import report
-from benchmarks.timing import copy_bandwidth, time_per_call, with_xla_one_shot
+from benchmarks.timing import read_bandwidth, time_per_call, with_xla_one_shot
 from jax_kimik3 import reference
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 
@@ -63,7 +63,7 @@ def parse_args(argv=None):
 
 
 def oproj_rows(args, bandwidth):
-    """The producer and XLA's dot per (TP, B) on one GPU, with GB/s against copy bandwidth."""
+    """The producer and XLA's dot per (TP, B) on one GPU, with GB/s against read bandwidth."""
     from jax_kimik3.kernels import producer_ops as producer
 
     rng = np.random.default_rng(0)
@@ -89,7 +89,7 @@ def oproj_rows(args, bandwidth):
                              xla_dot_us=times["xla_dot"],
                              speedup=times["xla_dot"] / times["producer"],
                              producer_gbps=weight_bytes / times["producer"] / 1e3,
-                             of_copy=floor / times["producer"], floor_us=floor))
+                             of_read=floor / times["producer"], floor_us=floor))
     return rows
 
 
@@ -201,7 +201,7 @@ def variant_rows(args):
 
 
 def plot(out, results):
-    """bench_layer.png: o_proj share of copy bandwidth per B (producer, XLA's dot) for each K,
+    """bench_layer.png: o_proj share of read bandwidth per B (producer, XLA's dot) for each K,
     and the tail's µs per B (kernels, reference) for each TP. `results`: loaded JSON records."""
     import matplotlib
     matplotlib.use("Agg")
@@ -214,9 +214,9 @@ def plot(out, results):
             for i, k in enumerate(sorted({r["k"] for r in rows})):
                 mine = [r for r in rows if r["k"] == k]
                 batches = [r["batch"] for r in mine]
-                left.plot(batches, [r["of_copy"] for r in mine], "o-", color=f"C{i}",
+                left.plot(batches, [r["of_read"] for r in mine], "o-", color=f"C{i}",
                           label=f"producer K={k}")
-                left.plot(batches, [r["of_copy"] * r["producer_us"] / r["xla_dot_us"]
+                left.plot(batches, [r["of_read"] * r["producer_us"] / r["xla_dot_us"]
                                     for r in mine], "x--", color=f"C{i}", label=f"XLA dot K={k}")
         elif "kernel_us" in rows[0]:
             tp = rows[0]["tp"]
@@ -224,7 +224,7 @@ def plot(out, results):
             right.plot(batches, [r["kernel_us"] for r in rows], "o-", label=f"kernels TP{tp}")
             right.plot(batches, [r["reference_us"] for r in rows], "x--",
                        label=f"reference TP{tp}")
-    left.set(xscale="log", xlabel="B (tokens per rank)", ylabel="share of copy bandwidth",
+    left.set(xscale="log", xlabel="B (tokens per rank)", ylabel="share of read bandwidth",
              title="o_proj, one rank's [7168, K] weight")
     right.set(xscale="log", xlabel="B (tokens per rank)", ylabel="µs per layer",
               title="post-attention tail (o_proj + all-reduce + AttnRes)")
@@ -248,17 +248,17 @@ def main(argv=None):
     if args.reference_only:
         print(json.dumps(tail_times(args)))
         return
-    bandwidth = copy_bandwidth()
-    info = report.meta(copy_bandwidth_tbps=bandwidth / 1e12)
+    bandwidth = read_bandwidth()
+    info = report.meta(read_bandwidth_tbps=bandwidth / 1e12)
     parts = args.parts.split(",")
     if "oproj" in parts:
         report.write(args.out, "bench_layer_oproj", info, oproj_rows(args, bandwidth),
                      f"o_proj producer vs XLA's dot, one rank's [7168, K] weight "
-                     f"(copy {bandwidth / 1e12:.2f} TB/s)", [
+                     f"(read {bandwidth / 1e12:.2f} TB/s)", [
                          ("TP", "{tp}"), ("K", "{k}"), ("B", "{batch}"),
                          ("producer µs", "{producer_us:.2f}"), ("XLA dot µs", "{xla_dot_us:.2f}"),
                          ("speedup", "{speedup:.2f}x"), ("producer GB/s", "{producer_gbps:.0f}"),
-                         ("of copy BW", "{of_copy:.0%}"), ("floor µs", "{floor_us:.2f}")])
+                         ("of read BW", "{of_read:.0%}"), ("floor µs", "{floor_us:.2f}")])
     if "tail" in parts:
         times = tail_times(args)
         tp = len(jax.devices())

@@ -80,14 +80,18 @@ def time_per_call(step, carry, input_sets, *, repeats=20):
     return float(np.median(runs)) / len(input_sets)
 
 
-def copy_bandwidth(size_bytes=512 << 20, count=8):
-    """Measured device copy bandwidth in bytes/s: a read and a write of `size_bytes` per call."""
-    x = jnp.zeros((size_bytes // 2,), jnp.bfloat16)
-    def step(a, _):  # the barrier keeps XLA from fusing the chain into one kernel
-        return jax.lax.optimization_barrier(a + jnp.bfloat16(1))
+def read_bandwidth(size_bytes=1 << 30, count=4):
+    """Measured device read bandwidth in bytes/s, the floor of a read-bound kernel (the o_proj
+    weight stream): each call reduces `size_bytes` of bf16 scaled by the previous call's
+    result, so XLA can neither hoist the reduction out of the chain nor merge two of them,
+    and 1 GiB is far past the L2."""
+    x = jnp.full((size_bytes // 2,), 1e-3, jnp.bfloat16)
 
-    per_call = time_per_call(step, x, [None] * count, repeats=5)
-    return 2 * size_bytes / (per_call * 1e-6)
+    def step(c, data):
+        return jnp.tanh(jnp.sum(data * c.astype(jnp.bfloat16), dtype=jnp.float32))
+
+    per_call = time_per_call(step, jnp.float32(1.0), [x] * count, repeats=5)
+    return size_bytes / (per_call * 1e-6)
 
 
 def with_xla_one_shot(module, argv, column):
