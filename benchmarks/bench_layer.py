@@ -1,8 +1,9 @@
 """Benchmark: Kimi K3's post-attention tail, kernels against XLA, in two parts.
 
 oproj (one GPU): the o_proj producer kernel (`kernels.producer_ops.project`) against XLA's dot
-  (cuBLAS) for one rank's weight [7168, 12288/TP], per B: µs, GB/s and the share of the
-  measured read bandwidth (the floor: the weight read once).
+  and cuBLAS (torch in a CUDA graph, where torch is installed) for one rank's weight
+  [7168, 12288/TP], per B: µs, GB/s and the share of the read bandwidth measured in the same
+  run (the floor: the weight read once).
 tail (a TP mesh of every local GPU): the kernel tail (`oproj_attn_res` with a mailbox:
   producer + AttnRes consumer) against the XLA reference (dot + psum + reference AttnRes),
   and on several GPUs the reference with XLA's one-shot all-reduce kernel (a child process,
@@ -36,7 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
 from benchmarks import report
-from benchmarks.timing import read_bandwidth, time_per_call, with_xla_one_shot
+from benchmarks.timing import (cublas_per_call, read_bandwidth, time_per_call,
+                               with_xla_one_shot)
 from jax_kimik3 import reference
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 
@@ -63,7 +65,8 @@ def parse_args(argv=None):
 
 
 def oproj_rows(args, bandwidth):
-    """The producer and XLA's dot per (TP, B) on one GPU, with GB/s against read bandwidth."""
+    """The producer, XLA's dot and cuBLAS (torch, where installed) per (TP, B) on one GPU, with
+    the producer's share of the read bandwidth."""
     from jax_kimik3.kernels import producer_ops as producer
 
     rng = np.random.default_rng(0)
@@ -84,9 +87,11 @@ def oproj_rows(args, bandwidth):
             times = {name: time_per_call(lambda c, xw, f=f: step(c, xw, f), carry, sets)
                      for name, f in (("producer", producer.project),
                                      ("xla_dot", reference.oproj_partial))}
+            cublas = cublas_per_call(b, k, H, count)
             floor = 1e6 * weight_bytes / bandwidth
             rows.append(dict(tp=tp, k=k, batch=b, producer_us=times["producer"],
                              xla_dot_us=times["xla_dot"],
+                             cublas_us=float("nan") if cublas is None else cublas,
                              speedup=times["xla_dot"] / times["producer"],
                              producer_gbps=weight_bytes / times["producer"] / 1e3,
                              of_read=floor / times["producer"], floor_us=floor))
@@ -257,6 +262,7 @@ def main(argv=None):
                      f"(read {bandwidth / 1e12:.2f} TB/s)", [
                          ("TP", "{tp}"), ("K", "{k}"), ("B", "{batch}"),
                          ("producer µs", "{producer_us:.2f}"), ("XLA dot µs", "{xla_dot_us:.2f}"),
+                         ("cuBLAS µs", "{cublas_us:.2f}"),
                          ("speedup", "{speedup:.2f}x"), ("producer GB/s", "{producer_gbps:.0f}"),
                          ("of read BW", "{of_read:.0%}"), ("floor µs", "{floor_us:.2f}")])
     if "tail" in parts:

@@ -105,3 +105,37 @@ def with_xla_one_shot(module, argv, column):
         print(f"XLA one-shot run failed:\n{child.stderr[-2000:]}", file=sys.stderr)
         return {}
     return {int(b): t[column] for b, t in json.loads(child.stdout.splitlines()[-1]).items()}
+
+
+def cublas_per_call(batch, k, n, count, *, repeats=50):
+    """Median GPU µs of torch's bf16 x [B, K] @ w.T ([N, K]; cuBLAS) over `count` weights
+    (past the L2), captured in one CUDA graph and timed with CUDA events; None where torch
+    (with CUDA) is not installed. The best library GEMV, beside XLA's dot."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for _ in range(count)]
+    x = torch.randn(batch, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for w in weights:  # warm up: cuBLAS picks its kernels and workspace here
+            torch.matmul(x, w.t())
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for w in weights:
+                torch.matmul(x, w.t())
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / count)
+    return float(np.median(times))
