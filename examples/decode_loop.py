@@ -64,7 +64,7 @@ def parse_args(argv=None):
                              "(Mailbox.check); 0: only after the last step")
     parser.add_argument("--stats-ahead", action="store_true",
                         help="each post-attention tail also computes the next call site's "
-                             "block statistics (bind ahead); that call then reads no block")
+                             "block statistics (statistics ahead); that call then reads no block")
     parser.add_argument("--export", metavar="FILE", help="write the kernel step for CUDA, stop")
     parser.add_argument("--load", metavar="FILE", help="run the step exported to FILE")
     return parser.parse_args(argv)
@@ -88,7 +88,7 @@ def export_step(path, mesh, params, embedding, blocks, num_layers, virtual_tp=No
           f"{len(data) / 2**10:.0f} KiB to {path}")
 
 
-def check_mailbox(mailbox, step):
+def report_mailbox(mailbox, step):
     """Mailbox.check after `step` steps: say what the failure record holds, and stop on one."""
     try:
         mailbox.check()
@@ -159,7 +159,7 @@ def main(argv=None):
         times.append(time.perf_counter() - start)
         outs.append(out)
         if mailbox is not None and args.check_every and s % args.check_every == 0:
-            check_mailbox(mailbox, s)
+            report_mailbox(mailbox, s)
     checksum = sum(float(jnp.sum(out.astype(jnp.float32))) for out in outs)
     path = ("exported kernels" if args.load else "kernels") if kernels else "reference"
     ranks = f"TP {args.virtual_tp} (virtual)" if args.virtual_tp else f"TP {tp}"
@@ -168,7 +168,7 @@ def main(argv=None):
           f"{args.steps} steps")
     print(f"checksum {checksum:.6e}")
     if mailbox is not None:
-        check_mailbox(mailbox, args.steps)
+        report_mailbox(mailbox, args.steps)
         if args.check:
             reference = make_step(mesh, params, args.layers, "reference", None,
                                   virtual_tp=args.virtual_tp)

@@ -27,6 +27,7 @@ import numbers
 import numpy as np
 
 from jax_kimik3.config import KIMI_K3, check_int
+from jax_kimik3.kernels.geometry import VECTOR
 
 SENTINEL = 0x80000000  # fp32 -0: a mailbox word no producer can publish (bf16 -0 becomes +0)
 BUFFERS = 2  # slot buffers; a call uses buffer `calls % 2` (docs/protocol.md: why two suffice)
@@ -47,7 +48,16 @@ class CONTROL:
     WORDS = 8
 
 
-WAITERS = {1: "all-reduce consumer", 2: "two-shot owner", 3: "AttnRes tail consumer"}
+class WAITER:
+    """Codes of the kernel whose wait gave up (CONTROL.WAITER), for the failure record."""
+
+    CONSUMER = 1  # the all-reduce consumer (kernels/lamport.py)
+    OWNER = 2  # the two-shot owner (kernels/lamport.py)
+    TAIL_CONSUMER = 3  # the AttnRes kernel that completes a tail's all-reduce (kernels/attn_res.py)
+
+
+WAITERS = {WAITER.CONSUMER: "all-reduce consumer", WAITER.OWNER: "two-shot owner",
+           WAITER.TAIL_CONSUMER: "AttnRes tail consumer"}
 
 
 def align(n, to=_ALIGN):
@@ -77,9 +87,9 @@ class MailboxLayout:
         check_int("tp", self.tp, 1)
         check_int("capacity", self.capacity, 1)
         check_int("hidden", self.hidden, 1)
-        if self.hidden % (8 * self.tp):
+        if self.hidden % (VECTOR * self.tp):
             raise ValueError(f"tp={self.tp} must be >= 1 and divide hidden={self.hidden} into "
-                             "whole 8-element vectors")
+                             f"whole {VECTOR}-element vectors")
 
     @property
     def row_bytes(self) -> int:

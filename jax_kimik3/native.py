@@ -115,7 +115,7 @@ def library_path() -> pathlib.Path:
 
 
 @functools.cache
-def load(path: pathlib.Path) -> Library:
+def load_library(path: pathlib.Path) -> Library:
     handle = ctypes.CDLL(str(path))
     manifest = getattr(handle, MANIFEST_SYMBOL)
     manifest.restype = ctypes.c_char_p
@@ -131,4 +131,4 @@ def library() -> Library | None:
         if os.environ.get(LIBRARY_ENV):
             raise FileNotFoundError(f"{LIBRARY_ENV}={path} does not exist")
         return None
-    return load(path)
+    return load_library(path)

@@ -68,7 +68,7 @@ def _equations(jaxpr):
                 yield from _equations(getattr(inner, "jaxpr", inner))
 
 
-def export(name, fn, spec, gen: pathlib.Path):
+def export_object(name, fn, spec, gen: pathlib.Path):
     """<gen>/<name>.o and .h: the call compiled as cutlass_call compiles it."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
@@ -128,7 +128,7 @@ def build(tps, num_layers, out: pathlib.Path, jobs: int) -> dict:
     calls = record_calls(tps, num_layers)
     traced = time.perf_counter()
     for name, (_, fn, spec) in sorted(calls.items()):
-        export(name, fn, spec, gen)
+        export_object(name, fn, spec, gen)
     exported = time.perf_counter()
     items = sorted((name, len(spec.in_args) + len(spec.out_args))
                    for name, (_, _, spec) in calls.items())

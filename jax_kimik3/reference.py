@@ -122,14 +122,6 @@ def oproj_attn_res_ranks(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_
                           has_delta=has_delta, eps=eps, out_eps=out_eps)
 
 
-def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
-                   num_blocks, has_delta, eps=EPS, out_eps=EPS):
-    """The tail inside shard_map: this rank's x [B, K_local], w [H, K_local]."""
-    return oproj_attn_res_ranks(x[None], w[None], prefix, blocks, res_norm_w, res_proj_w,
-                                out_norm_w, num_blocks=num_blocks, has_delta=has_delta,
-                                axis_name=axis_name, eps=eps, out_eps=out_eps)
-
-
 def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
                            num_blocks, has_delta, eps=EPS, out_eps=EPS):
     """The tail of every rank on one device: x [TP, B, K/TP], w [TP, H, K/TP]."""

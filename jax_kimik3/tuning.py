@@ -36,12 +36,6 @@ def tail_variant(batch: int, k: int) -> TailVariant:
     return "xla"
 
 
-def use_producer(batch: int, k: int) -> bool:
-    """Whether the tail's o_proj runs on the producer kernel, alone or fused (else XLA's dot
-    + publish)."""
-    return tail_variant(batch, k) != "xla"
-
-
 # TP → smallest B where the two-shot tail wins: "Tail variants" (virtual TP 8 and 16, B = 64),
 # 2026-11-29; it loses at TP 2 ("Mailbox all-reduce on a real TP2 mesh").
 TWO_SHOT_BATCHES = {8: 64, 16: 64}

@@ -8,8 +8,8 @@
 # profile. Extra arguments go to pytest, e.g. -k lamport ($TESTS: its files, default tests/;
 # $TEST_WORKERS: xdist workers, default 8); $BENCH_ARGS to the benchmarks, e.g.
 # BENCH_ARGS="--parts tail". With several GPUs the mesh tests run and the all-reduce and layer
-# benchmarks use a real TP mesh. They need .device/cutedsl.tar.xz (make it with the
-# make-cutedsl-bundle script of the team's device tools; README, "Device checks"). Results go
+# benchmarks use a real TP mesh. They need .device/cutedsl.tar.xz (made by
+# scripts/dsl_bundle.sh; README, "Test"). Results go
 # to $OUT (the benchmarks' tables, and details.tgz: every log); the last lines printed are a
 # short summary.
 # The target aot (not in all) runs without the DSL: carry ["build/ffi"] (the kernel library,

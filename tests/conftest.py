@@ -20,3 +20,13 @@ SEED = int(os.environ.get("K3_TEST_SEED", "0"))  # change it for another draw of
 def rng(request):
     """Fresh data per case (seeded from the test's id), the same on every run."""
     return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])
+
+
+def pytest_runtest_setup(item):
+    """Tests marked `gpu` skip where JAX has no GPU, before any of their fixtures runs (CI
+    deselects them; this covers `-m gpu` on such a host)."""
+    if item.get_closest_marker("gpu") is not None:
+        import jax
+
+        if jax.default_backend() != "gpu":
+            pytest.skip("needs a GPU")

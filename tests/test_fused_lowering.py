@@ -18,6 +18,7 @@ pytest.importorskip("cutlass")
 from jax_kimik3.kernels import fused, oproj, residency  # noqa: E402
 
 H, K_TOTAL, NB = KIMI_K3.hidden_size, KIMI_K3.o_proj_in_features, KIMI_K3.num_attn_res_blocks
+EPS = KIMI_K3.rms_norm_eps
 
 
 def tail(ranks, tp, b, *, num_blocks=4, has_delta=True, out_norm=True, variant=None,
@@ -67,12 +68,12 @@ def test_fused_mesh_rank_is_one_launch(tp):
 def test_fused_grid_is_every_co_resident_cluster_it_needs():
     """The persistent grid: min(co-resident clusters, the work's clusters)."""
     from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
-    variant = AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5,
-                             Reduction(MailboxSpec(MailboxLayout(8)), ranks=1))
+    variant = AttnResVariant(num_blocks=4, has_delta=True, write_idx=-1, out_norm=True, precomputed=False, eps=EPS, out_eps=EPS,
+                             reduction=Reduction(MailboxSpec(MailboxLayout(8)), ranks=1))
     assert fused.OprojAttnResFused(4, 1536, variant, 1000).clusters == 448 // 7 + 4
     assert fused.OprojAttnResFused(4, 1536, variant, 60).clusters == 60
-    many = AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5,
-                          Reduction(MailboxSpec(MailboxLayout(8)), ranks=8))
+    many = AttnResVariant(num_blocks=4, has_delta=True, write_idx=-1, out_norm=True, precomputed=False, eps=EPS, out_eps=EPS,
+                          reduction=Reduction(MailboxSpec(MailboxLayout(8)), ranks=8))
     assert fused.OprojAttnResFused(4, 1536, many, residency.FALLBACK_CLUSTERS).clusters == 69
 
 
@@ -114,12 +115,12 @@ def test_unknown_variant_is_refused():
 def test_fused_refuses_what_it_does_not_do():
     from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
     one_shot = Reduction(MailboxSpec(MailboxLayout(8)))
-    consumer = AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5, one_shot)
+    consumer = AttnResVariant(num_blocks=4, has_delta=True, write_idx=-1, out_norm=True, precomputed=False, eps=EPS, out_eps=EPS, reduction=one_shot)
     with pytest.raises(ValueError, match="must complete a one-shot reduction"):
-        fused.OprojAttnResFused(8, 1536, AttnResVariant(4, True, -1, True, False, 1e-5, 1e-5), 60)
+        fused.OprojAttnResFused(8, 1536, AttnResVariant(num_blocks=4, has_delta=True, write_idx=-1, out_norm=True, precomputed=False, eps=EPS, out_eps=EPS), 60)
     with pytest.raises(ValueError, match="must complete a one-shot reduction"):
         fused.OprojAttnResFused(8, 1536, AttnResVariant(
-            4, True, -1, True, False, 1e-5, 1e-5, Reduction(one_shot.spec, 1, True)), 60)
+            num_blocks=4, has_delta=True, write_idx=-1, out_norm=True, precomputed=False, eps=EPS, out_eps=EPS, reduction=Reduction(one_shot.spec, 1, True)), 60)
     with pytest.raises(ValueError, match="o_proj producer"):
         fused.OprojAttnResFused(65, 1536, consumer, 60)
     with pytest.raises(ValueError, match="clusters=0 must be >= 1"):

@@ -23,12 +23,6 @@ VARIANT_IDS = ["-".join(n for n, on in zip(("delta", "write", "norm", "stats"), 
                for v in VARIANTS]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def on_gpu():
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-
-
 def poisoned(shape, dtype):
     return jnp.full(shape, jnp.nan, dtype)
 

@@ -18,12 +18,6 @@ H = k3.KIMI_K3.hidden_size
 TIMEOUT_MS = 200.0  # a wait's bound in the failure tests: short, and far above any healthy wait
 
 
-@pytest.fixture(scope="module", autouse=True)
-def on_gpu():
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-
-
 @pytest.fixture(scope="module")
 def mailboxes():
     boxes = {}

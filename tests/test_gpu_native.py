@@ -19,12 +19,6 @@ NB = KIMI_K3.num_attn_res_blocks
 LAYERS = [0, 12, 46, 92]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def on_gpu():
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-
-
 def weights(inp):
     return k3.AttnResWeights(res_norm_w=inp.res_norm_w, res_proj_w=inp.res_proj_w,
                              out_norm_w=inp.out_norm_w)

@@ -60,7 +60,8 @@ def test_statistics_ahead_need_the_blocks():
     from jax_kimik3.kernels.attn_res_ops import AttnResVariant
 
     with pytest.raises(ValueError, match="statistics ahead need the saved blocks"):
-        AttnResVariant(4, True, -1, True, True, 1e-5, 1e-5, ahead=True)
+        AttnResVariant(num_blocks=4, has_delta=True, write_idx=-1, out_norm=True,
+                       precomputed=True, eps=1e-5, out_eps=1e-5, ahead=True)
 
 
 @pytest.mark.parametrize("b", [1, 2, 7, 33, 64])

@@ -63,7 +63,7 @@ def test_library_holds_every_catalog_call(built):
     """The manifest lists exactly the catalog's calls; the library needs no CUDA runtime and
     no DSL library at load, and exports only handlers and the manifest."""
     path, report = built
-    library = native.load(path)
+    library = native.load_library(path)
     want = native_build.record_calls(TPS, LAYERS)
     assert set(library.calls) == set(want)
     assert f": {len(want)} kernel calls for TP 2, {LAYERS} layers" in report
@@ -92,7 +92,7 @@ def test_every_handler_registers_without_the_dsl(built):
         print(json.dumps(dict(names=names, pending={n: pending.get(n) for n in names},
                               dsl="cutlass" in sys.modules)))
     """, path)
-    assert len(got["names"]) == len(native.load(path).calls) and not got["dsl"]
+    assert len(got["names"]) == len(native.load_library(path).calls) and not got["dsl"]
     assert all(v == [1, 1] for v in got["pending"].values()), got["pending"]
 
 
@@ -120,7 +120,7 @@ def test_aot_decode_step_lowers_to_the_library(built, stats_ahead):
             dots[b] = text.count("dot_general")
         print(json.dumps(dict(targets=targets, dots=dots, dsl="cutlass" in sys.modules)))
     """, path)
-    names = set(native.load(path).calls)
+    names = set(native.load_library(path).calls)
     families = {b: {t.split("_")[1] for t in targets} for b, targets in got["targets"].items()}
     for targets in got["targets"].values():
         assert targets and set(targets) <= names, targets

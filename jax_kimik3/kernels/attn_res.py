@@ -18,7 +18,7 @@ thread owning one 8-wide bf16 vector. Per row:
 4. the output RMSNorm: Σmix² over the cluster, then out = bf16(mix · rsqrt(Σmix²/H + eps) · g_out),
    or out = bf16(mix) without an output norm.
 The statistics producer runs steps 2-3 over the saved blocks alone and stores the unnormalised
-fp32 mixture Σ e^{z_i-m} b_i and (m, s). Statistics ahead ("bind_ahead"): the AttnRes kernel
+fp32 mixture Σ e^{z_i-m} b_i and (m, s). Statistics ahead: the AttnRes kernel
 also stores them for a later call site that mixes the same saved blocks under its own weights
 (the next layer's pre-attention, or the final call), from the blocks it already holds and one
 cluster exchange it already makes, so the later call reads no block.
@@ -38,14 +38,14 @@ from cutlass import Float32, Int32, Int64
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.attn_res_ops import AttnResVariant
-from jax_kimik3.kernels.geometry import CLUSTER, THREADS
-from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, call_of, cluster_sums,
+from jax_kimik3.kernels.geometry import CLUSTER, THREADS, VECTOR, VECTOR_BYTES, WARP
+from jax_kimik3.layout import WAITER
+from jax_kimik3.kernels.primitives import (call_of, cluster_sums,
                                            finish_call, load_f32, one_or_nan, poll_sum, rearm,
                                            store, vectors)
 
 HIDDEN = KIMI_K3.hidden_size
 WARPS = THREADS // WARP
-TAIL_CONSUMER = 3  # WAITERS code (jax_kimik3.mailbox)
 
 
 def _row_major(*shape):
@@ -150,7 +150,7 @@ class AttnResKernel:
 
     def __init__(self, variant: AttnResVariant):
         self.v = variant
-        self.ranks = 1 if variant.reduction is None else variant.reduction.ranks
+        self.ranks = variant.ranks
 
     @cute.jit
     def __call__(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
@@ -272,7 +272,7 @@ class AttnResKernel:
         with it; what was read is re-armed. NaN where the wait gave up (ok 0)."""
         red = self.v.reduction
         lay = red.spec.layout
-        wait = call_of(table, rank, lay, red.spec.timeout_ns, TAIL_CONSUMER)
+        wait = call_of(table, rank, lay, red.spec.timeout_ns, WAITER.TAIL_CONSUMER)
         within = Int64(row) * lay.row_bytes + Int64(col) * VECTOR_BYTES
         if cutlass.const_expr(red.two_shot):
             slots = [wait.mine + Int64(lay.gather(wait.buffer)) + within]

@@ -24,7 +24,7 @@ class Reduction:
     two_shot: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AttnResVariant:
     """What one compiled AttnRes kernel does (all static)."""
 
@@ -106,9 +106,10 @@ def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, 
     over the same saved blocks: their statistics (mixture, scal) come back as a fourth result.
     `into` = (out, new_prefix[, mixture, scal]) buffers written in place (the GPU tests pass
     poisoned ones)."""
-    variant = AttnResVariant(num_blocks, delta is not None, write_idx, out_norm_w is not None,
-                             stats is not None, float(eps), float(out_eps),
-                             ahead=ahead is not None)
+    variant = AttnResVariant(num_blocks=num_blocks, has_delta=delta is not None,
+                             write_idx=write_idx, out_norm=out_norm_w is not None,
+                             precomputed=stats is not None, eps=float(eps),
+                             out_eps=float(out_eps), ahead=ahead is not None)
     mixture, scal = (None, None) if stats is None else stats
     ahead_norm_w, ahead_proj_w = ahead or (None, None)
     inputs = dict(prefix=prefix, delta=delta, blocks=blocks, mixture=mixture, scal=scal,

@@ -37,7 +37,7 @@ H, NB, EPS = KIMI_K3.hidden_size, KIMI_K3.num_attn_res_blocks, KIMI_K3.rms_norm_
 Entry = tuple[str, Callable, tuple]  # (what, function, its ShapeDtypeStruct arguments)
 
 
-def _spec(*shape, dtype=jnp.bfloat16):
+def _shape(*shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
@@ -48,7 +48,7 @@ def tail_regions(tp, ahead) -> list[tuple[oproj.TailChoice, int, int]]:
     k = KIMI_K3.o_proj_local_features(tp)
     regions = []
     for batch in range(1, KIMI_K3.mailbox_capacity + 1):
-        choice = oproj.choose(batch, k, tp, () if ahead else None)
+        choice = oproj.choose(batch, k, tp, ahead)
         key = (choice, tuning.tail_variant(batch, k), tuning.use_two_shot(batch, tp))
         if regions and regions[-1][0] == key:
             regions[-1][2] = batch
@@ -109,20 +109,20 @@ def decode_calls(tps=TP_VALUES, num_layers=KIMI_K3.num_layers) -> Iterator[Entry
                 steps.append((choice.batch is not None, (
                     f"TP{tp} decode step, {num_layers} layers, B={first}..{last} "
                     f"({choice}), stats ahead={ahead}", _step(tp, num_layers, ahead),
-                    (decode.param_shapes(num_layers), _spec(b, H), _spec(b, NB, H),
-                     _spec(tp + 1, 2, dtype=jnp.uint32)))))
+                    (decode.param_shapes(num_layers), _shape(b, H), _shape(b, NB, H),
+                     _shape(tp + 1, 2, dtype=jnp.uint32)))))
     yield from (entry for _, entry in sorted(steps, key=lambda s: s[0]))  # symbolic first
     b = jax.export.symbolic_shape("b", constraints=(f"b <= {KIMI_K3.mailbox_capacity}",))[0]
-    rows = (_spec(b, H), _spec(b, NB, H)) + (_spec(H),) * 3 + (_spec(b, H),)
-    f32 = (_spec(b, H, dtype=jnp.float32), _spec(b, 2, dtype=jnp.float32))
+    rows = (_shape(b, H), _shape(b, NB, H)) + (_shape(H),) * 3 + (_shape(b, H),)
+    f32 = (_shape(b, H, dtype=jnp.float32), _shape(b, 2, dtype=jnp.float32))
     for n in range(1, num_layers + 1):
         for precomputed in (False, True):
             yield (f"final after {n} layers, stats={precomputed}", _final(n, precomputed),
                    rows + f32)
     for num_blocks in range(1, KIMI_K3.final(num_layers).num_blocks + 1):
         yield (f"statistics K={num_blocks}", _statistics(num_blocks),
-               (_spec(b, NB, H), _spec(H), _spec(H)))
+               (_shape(b, NB, H), _shape(H), _shape(H)))
     for tp in tps:
         spec = MailboxSpec(MailboxLayout(tp))
         yield (f"TP{tp} all-reduce", _all_reduce(spec),
-               (_spec(b, H), _spec(tp + 1, 2, dtype=jnp.uint32), _spec(1, dtype=jnp.int32)))
+               (_shape(b, H), _shape(tp + 1, 2, dtype=jnp.uint32), _shape(1, dtype=jnp.int32)))

@@ -2,7 +2,7 @@
 in one persistent launch ("fused" in kernels/oproj.py, which has the algorithm and launches it).
 
 The grid is `clusters` clusters of CLUSTER CTAs, every one resident at once (`residency`
-sizes it from the device's occupancy), each CTA of WARPS warps:
+sizes it from the device's occupancy), each CTA of PRODUCER_WARPS warps:
 1. producer items: CTA j of the grid takes CTA items j, j + CLUSTER·clusters, ... of the R·N/16
    producer CTAs (`OprojProducer.rows`: 16 rows of rank i's w, then the publish);
 2. consumer items: then cluster g takes token rows g, g + clusters, ... of the R·B rows

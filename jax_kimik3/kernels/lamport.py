@@ -33,14 +33,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from jax_kimik3.kernels.geometry import FLAT_THREADS
-from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, address_of, call_of,
+from jax_kimik3.kernels.geometry import FLAT_THREADS, VECTOR, VECTOR_BYTES
+from jax_kimik3.kernels.primitives import (address_of, call_of,
                                            f32_to_words, fence_system, finish_call, load_words,
                                            multicast_words, poison_words, poll, poll_sum, rearm,
                                            store_words, without_negative_zero)
-from jax_kimik3.layout import SENTINEL, MailboxLayout, MailboxSpec
+from jax_kimik3.layout import SENTINEL, WAITER, MailboxLayout, MailboxSpec
 
-CONSUMER, OWNER = 1, 2  # WAITERS codes (jax_kimik3.mailbox)
 
 
 def _item(nvec):
@@ -149,7 +148,7 @@ class AllReduce:
             i = item // batch
             row = item - i * batch
             rank = ranks[i]
-            wait = call_of(table, rank, lay, self.spec.timeout_ns, OWNER)
+            wait = call_of(table, rank, lay, self.spec.timeout_ns, WAITER.OWNER)
             within = Int64(row) * chunk_bytes + Int64(vec) * VECTOR_BYTES
             slots = [wait.mine + Int64(lay.receive(wait.buffer, q)) + within
                      for q in range(lay.tp)]
@@ -171,7 +170,7 @@ class AllReduce:
         if item < self.ranks * batch:
             i = item // batch
             row = item - i * batch
-            wait = call_of(table, ranks[i], lay, self.spec.timeout_ns, CONSUMER)
+            wait = call_of(table, ranks[i], lay, self.spec.timeout_ns, WAITER.CONSUMER)
             within = Int64(row) * lay.row_bytes + Int64(vec) * VECTOR_BYTES
             if cutlass.const_expr(self.two_shot):  # the owners' reduced chunks: a copy
                 slots = [wait.mine + Int64(lay.gather(wait.buffer)) + within]

@@ -57,23 +57,23 @@ class TailChoice(NamedTuple):
     batch: int | None = None  # fused: the batch it is compiled for (split and xla read it)
 
 
-def choose(batch, k, tp, ahead, *, variant=None, two_shot=None) -> TailChoice:
-    """What the tail of `batch` rows at K = `k` per rank, `tp` ranks and `ahead` (None or
-    not) launches: `variant` and `two_shot` as asked for, else the tables'. The fused kernel
+def choose(batch, k, tp, ahead: bool, *, variant=None, two_shot=None) -> TailChoice:
+    """What the tail of `batch` rows at K = `k` per rank, `tp` ranks and (`ahead`) statistics
+    ahead launches: `variant` and `two_shot` as asked for, else the tables'. The fused kernel
     is one-shot without statistics ahead: asked for, it runs one-shot; the table's fused runs
     split where two-shot or ahead is asked for or tabled. `batch` may be symbolic where every
     decision is (a batch range inside one table region and one producer B tile count)."""
     if variant is not None and variant not in tuning.TAIL_VARIANT_NAMES:
         raise ValueError(f"variant={variant!r} must be one of {tuning.TAIL_VARIANT_NAMES}")
     if variant == "fused":
-        if two_shot or ahead is not None:
+        if two_shot or ahead:
             raise NotImplementedError(f"the fused tail is one-shot without ahead; got "
-                                      f"{two_shot=}, ahead={ahead is not None}")
+                                      f"{two_shot=}, {ahead=}")
         return TailChoice("fused", False, batch=operator.index(batch))
     if two_shot is None:
         two_shot = tuning.use_two_shot(batch, tp)
     chosen = variant or tuning.tail_variant(batch, k)
-    if chosen == "fused" and (two_shot or ahead is not None):
+    if chosen == "fused" and (two_shot or ahead):
         chosen = "split"
     if chosen == "fused":
         return TailChoice("fused", False, batch=operator.index(batch))
@@ -94,7 +94,8 @@ def tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, ran
     return launch_tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
                        ranks=ranks, spec=spec, num_blocks=num_blocks, has_delta=has_delta,
                        eps=eps, out_eps=out_eps, ahead=ahead,
-                       choice=choose(b, k, spec.tp, ahead, variant=variant, two_shot=two_shot),
+                       choice=choose(b, k, spec.tp, ahead is not None, variant=variant,
+                                     two_shot=two_shot),
                        into=into)
 
 
@@ -107,8 +108,10 @@ def launch_tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, tab
     r, b, k = x.shape
     variant, two_shot = choice.variant, choice.two_shot
     h = prefix.shape[1]
-    attn_res = AttnResVariant(num_blocks, has_delta, -1, out_norm_w is not None, False,
-                              float(eps), float(out_eps), Reduction(kernel_spec(spec), r, two_shot),
+    attn_res = AttnResVariant(num_blocks=num_blocks, has_delta=has_delta, write_idx=-1,
+                              out_norm=out_norm_w is not None, precomputed=False,
+                              eps=float(eps), out_eps=float(out_eps),
+                              reduction=Reduction(kernel_spec(spec), r, two_shot),
                               ahead=ahead is not None)
     ahead_norm_w, ahead_proj_w = ahead or (None, None)
     inputs = dict(prefix=prefix, blocks=blocks, res_norm_w=res_norm_w, res_proj_w=res_proj_w,

@@ -27,7 +27,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_kimik3.kernels.geometry import VECTOR, VECTOR_BYTES, WARP  # noqa: F401 (re-exported)
+from jax_kimik3.kernels.geometry import VECTOR
 from jax_kimik3.layout import CONTROL, SENTINEL
 
 NEG_ZERO_BF16 = 0x8000

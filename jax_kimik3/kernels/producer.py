@@ -27,9 +27,9 @@ from cutlass import Float32, Int32, Int64
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.geometry import PRODUCER_WARPS as WARPS
-from jax_kimik3.kernels.geometry import ROWS, TOKENS
+from jax_kimik3.kernels.geometry import ROWS, TOKENS, VECTOR, VECTOR_BYTES, WARP
 from jax_kimik3.kernels.lamport import publish_words
-from jax_kimik3.kernels.primitives import (VECTOR, VECTOR_BYTES, WARP, call_of, f32_to_words,
+from jax_kimik3.kernels.primitives import (call_of, f32_to_words,
                                            fence_system, load_words, mma_bf16, stream_words, store_words,
                                            without_negative_zero)
 from jax_kimik3.kernels.producer_ops import Publish
