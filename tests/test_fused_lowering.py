@@ -67,7 +67,7 @@ def test_fused_mesh_rank_is_one_launch(tp):
 
 def test_fused_grid_is_every_co_resident_cluster_it_needs():
     """The persistent grid: min(co-resident clusters, the work's clusters)."""
-    from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
+    from jax_kimik3.kernels.variants import AttnResVariant, Reduction
     variant = AttnResVariant(num_blocks=4, has_delta=True, write_idx=-1, out_norm=True, precomputed=False, eps=EPS, out_eps=EPS,
                              reduction=Reduction(MailboxSpec(MailboxLayout(8)), ranks=1))
     assert fused.OprojAttnResFused(4, 1536, variant, 1000).clusters == 448 // 7 + 4
@@ -113,7 +113,7 @@ def test_unknown_variant_is_refused():
 
 
 def test_fused_refuses_what_it_does_not_do():
-    from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
+    from jax_kimik3.kernels.variants import AttnResVariant, Reduction
     one_shot = Reduction(MailboxSpec(MailboxLayout(8)))
     consumer = AttnResVariant(num_blocks=4, has_delta=True, write_idx=-1, out_norm=True, precomputed=False, eps=EPS, out_eps=EPS, reduction=one_shot)
     with pytest.raises(ValueError, match="must complete a one-shot reduction"):

@@ -57,7 +57,7 @@ def test_statistics_ahead_lower_as_two_more_outputs(k):
 
 
 def test_statistics_ahead_need_the_blocks():
-    from jax_kimik3.kernels.attn_res_ops import AttnResVariant
+    from jax_kimik3.kernels.variants import AttnResVariant
 
     with pytest.raises(ValueError, match="statistics ahead need the saved blocks"):
         AttnResVariant(num_blocks=4, has_delta=True, write_idx=-1, out_norm=True,

@@ -37,7 +37,7 @@ import cutlass.memory
 from cutlass import Float32, Int32, Int64
 
 from jax_kimik3.config import KIMI_K3
-from jax_kimik3.kernels.attn_res_ops import AttnResVariant
+from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.geometry import CLUSTER, THREADS, VECTOR, VECTOR_BYTES, WARP
 from jax_kimik3.layout import WAITER
 from jax_kimik3.kernels.primitives import (call_of, cluster_sums,

@@ -22,11 +22,11 @@ import cutlass.cute as cute
 from jax_kimik3.kernels import attn_res as attn_res_kernels
 from jax_kimik3.kernels import producer
 from jax_kimik3.kernels.attn_res import HIDDEN, AttnResTensors
-from jax_kimik3.kernels.attn_res_ops import AttnResVariant
+from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, ROWS,
                                          THREADS, WARP)
 from jax_kimik3.kernels.primitives import fence_system, finish_call, vectors
-from jax_kimik3.kernels.producer_ops import Publish, tiles
+from jax_kimik3.kernels.variants import Publish, tiles
 
 PRODUCER_CTAS = HIDDEN // ROWS  # 448 producer items per rank
 # Register cap through .minnctapersm: MIN_CTAS_PER_SM CTAs of 256 threads per SM (<= 64

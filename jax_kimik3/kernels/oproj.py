@@ -29,8 +29,8 @@ from typing import NamedTuple
 import jax
 
 from jax_kimik3 import reference, tuning
-from jax_kimik3.kernels import attn_res_ops, producer_ops, residency
-from jax_kimik3.kernels.attn_res_ops import AttnResVariant, Reduction
+from jax_kimik3.kernels import attn_res_ops, residency
+from jax_kimik3.kernels.variants import AttnResVariant, Reduction, tiles
 from jax_kimik3.kernels.geometry import CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, WARP
 from jax_kimik3.kernels.lamport_ops import kernel_spec
 from jax_kimik3.kernels.launch import Signature, Variant
@@ -77,7 +77,7 @@ def choose(batch, k, tp, ahead: bool, *, variant=None, two_shot=None) -> TailCho
         chosen = "split"
     if chosen == "fused":
         return TailChoice("fused", False, batch=operator.index(batch))
-    return TailChoice(chosen, two_shot, producer_ops.tiles(batch) if chosen == "split" else None)
+    return TailChoice(chosen, two_shot, tiles(batch) if chosen == "split" else None)
 
 
 def tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, table, ranks,

@@ -32,7 +32,7 @@ from jax_kimik3.kernels.lamport import publish_words
 from jax_kimik3.kernels.primitives import (call_of, f32_to_words,
                                            fence_system, load_words, mma_bf16, stream_words, store_words,
                                            without_negative_zero)
-from jax_kimik3.kernels.producer_ops import Publish
+from jax_kimik3.kernels.variants import Publish
 
 STEP = 4 * VECTOR  # k per warp step: 4 lanes x 16 bytes, two mma k-blocks
 UNROLL = 6  # warp steps in flight

@@ -14,10 +14,10 @@ import cutlass
 import cutlass.cute as cute
 
 from jax_kimik3.kernels.attn_res import HIDDEN, AttnResKernel, AttnResTensors
-from jax_kimik3.kernels.attn_res_ops import AttnResVariant
+from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.lamport import AllReduce
 from jax_kimik3.kernels.producer import OprojProducer
-from jax_kimik3.kernels.producer_ops import Publish
+from jax_kimik3.kernels.variants import Publish
 
 
 class Tail:
