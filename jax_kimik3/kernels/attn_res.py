@@ -34,15 +34,15 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.variants import AttnResVariant
-from jax_kimik3.kernels.geometry import CLUSTER, THREADS, VECTOR, VECTOR_BYTES, WARP
+from jax_kimik3.kernels.geometry import CLUSTER, THREADS, VECTOR, WARP
 from jax_kimik3.layout import WAITER
-from jax_kimik3.kernels.primitives import (call_of, cluster_sums,
-                                           finish_call, load_f32, one_or_nan, poll_sum, rearm,
-                                           store, vectors)
+from jax_kimik3.kernels.primitives import (call_of, cluster_sums, finish_call, load_f32,
+                                           one_or_nan, poll_sum, rearm, received_slots, store,
+                                           vectors)
 
 HIDDEN = KIMI_K3.hidden_size
 WARPS = THREADS // WARP
@@ -273,13 +273,7 @@ class AttnResKernel:
         red = self.v.reduction
         lay = red.spec.layout
         wait = call_of(table, rank, lay, red.spec.timeout_ns, WAITER.TAIL_CONSUMER)
-        within = Int64(row) * lay.row_bytes + Int64(col) * VECTOR_BYTES
-        if cutlass.const_expr(red.two_shot):
-            slots = [wait.mine + Int64(lay.gather(wait.buffer)) + within]
-            peers = [col // (lay.chunk // VECTOR)]
-        else:
-            slots = [wait.mine + Int64(lay.slot(wait.buffer, q)) + within for q in range(lay.tp)]
-            peers = list(range(lay.tp))
+        slots, peers = received_slots(wait, row, col, two_shot=red.two_shot)
         acc, ok = poll_sum(slots, peers, wait)
         rearm(slots)
         frag = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)

@@ -25,7 +25,7 @@ from jax_kimik3.kernels.attn_res import HIDDEN, AttnResTensors
 from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, ROWS,
                                          THREADS, WARP)
-from jax_kimik3.kernels.primitives import fence_system, finish_call, vectors
+from jax_kimik3.kernels.primitives import fence_system, finish_call
 from jax_kimik3.kernels.variants import Publish, tiles
 
 PRODUCER_CTAS = HIDDEN // ROWS  # 448 producer items per rank
@@ -74,20 +74,18 @@ class OprojAttnResFused:
                  blocks: cute.Tensor, res_norm_w: cute.Tensor, res_proj_w: cute.Tensor,
                  out_norm_w, table: cute.Tensor, ranks: cute.Tensor, out: cute.Tensor,
                  new_prefix: cute.Tensor):
-        self.kernel(x, w, vectors(prefix), vectors(blocks), vectors(res_norm_w),
-                    vectors(res_proj_w),
-                    vectors(out_norm_w) if cutlass.const_expr(out_norm_w is not None) else None,
-                    table, ranks, vectors(out), vectors(new_prefix)).launch(
+        consumer = AttnResTensors(prefix=prefix, blocks=blocks, res_norm_w=res_norm_w,
+                                  res_proj_w=res_proj_w, out_norm_w=out_norm_w, table=table,
+                                  ranks=ranks, out=out, new_prefix=new_prefix)
+        self.kernel(x, w, consumer.vectors()).launch(
             grid=[CLUSTER, self.clusters, 1], block=[THREADS_PER_CTA, 1, 1],
             cluster=[CLUSTER, 1, 1], smem=self.smem_bytes, stream=stream,
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1)  # -1: the default carveout (and no device query)
 
     @cute.kernel
-    def kernel(self, x: cute.Tensor, w: cute.Tensor, prefix: cute.Tensor, blocks: cute.Tensor,
-               res_norm_w: cute.Tensor, res_proj_w: cute.Tensor, out_norm_w,
-               table: cute.Tensor, ranks: cute.Tensor, out: cute.Tensor,
-               new_prefix: cute.Tensor):
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, t: AttnResTensors):
+        """x, w: the producer's operands; `t`: the consumer's tensors (as vectors)."""
         fence_system()  # release: the earlier kernels' re-arms before the publish
         tidx, _, _ = cute.arch.thread_idx()
         cta, cluster, _ = cute.arch.block_idx()
@@ -96,17 +94,14 @@ class OprojAttnResFused:
         for item in cutlass.range(cluster * CLUSTER + cta, self.ranks * PRODUCER_CTAS, ctas):
             i = item // PRODUCER_CTAS
             x_i, w_i = self.producer.rank_operands(x, w, i, self.batch)
-            self.producer.rows(tidx, item - i * PRODUCER_CTAS, x_i, w_i, table, ranks[i], None,
-                               self.batch)
+            self.producer.rows(tidx, item - i * PRODUCER_CTAS, x_i, w_i, t.table, t.ranks[i],
+                               None, self.batch)
         # 2. consumer rows: THREADS threads per CTA; the other warps exit here
         if tidx < THREADS:
             for row in cutlass.range(cluster, self.ranks * self.batch, self.clusters):
-                self.consumer.row(tidx, cta, row, self.batch, AttnResTensors(
-                    prefix=prefix, blocks=blocks, res_norm_w=res_norm_w, res_proj_w=res_proj_w,
-                    out_norm_w=out_norm_w, table=table, ranks=ranks, out=out,
-                    new_prefix=new_prefix))
+                self.consumer.row(tidx, cta, row, self.batch, t)
             if tidx == 0:  # the items' barriers: every thread has read the control words
-                finish_call(table, ranks, self.ranks, self.layout)
+                finish_call(t.table, t.ranks, self.ranks, self.layout)
 
 
 @functools.cache

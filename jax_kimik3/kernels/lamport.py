@@ -34,9 +34,9 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from jax_kimik3.kernels.geometry import FLAT_THREADS, VECTOR, VECTOR_BYTES
-from jax_kimik3.kernels.primitives import (address_of, call_of,
-                                           f32_to_words, fence_system, finish_call, load_words,
-                                           multicast_words, poison_words, poll, poll_sum, rearm,
+from jax_kimik3.kernels.primitives import (address_of, call_of, f32_to_words, fence_system,
+                                           finish_call, load_words, multicast_words,
+                                           poison_words, poll, poll_sum, rearm, received_slots,
                                            store_words, without_negative_zero)
 from jax_kimik3.layout import SENTINEL, WAITER, MailboxLayout, MailboxSpec
 
@@ -171,15 +171,12 @@ class AllReduce:
             i = item // batch
             row = item - i * batch
             wait = call_of(table, ranks[i], lay, self.spec.timeout_ns, WAITER.CONSUMER)
-            within = Int64(row) * lay.row_bytes + Int64(vec) * VECTOR_BYTES
+            slots, peers = received_slots(wait, row, vec, two_shot=self.two_shot)
             if cutlass.const_expr(self.two_shot):  # the owners' reduced chunks: a copy
-                slots = [wait.mine + Int64(lay.gather(wait.buffer)) + within]
-                words, ok = poll(slots[0], wait, vec // (lay.chunk // VECTOR))
+                words, ok = poll(slots[0], wait, peers[0])
                 words = poison_words(words, ok)
             else:
-                slots = [wait.mine + Int64(lay.slot(wait.buffer, q)) + within
-                         for q in range(lay.tp)]
-                acc, ok = poll_sum(slots, list(range(lay.tp)), wait)
+                acc, ok = poll_sum(slots, peers, wait)
                 words = f32_to_words(acc)
             store_words(Int64(out.iterator.toint()) + Int64(item) * lay.row_bytes
                         + Int64(vec) * VECTOR_BYTES, words)

@@ -27,7 +27,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_kimik3.kernels.geometry import VECTOR
+from jax_kimik3.kernels.geometry import VECTOR, VECTOR_BYTES
 from jax_kimik3.layout import CONTROL, SENTINEL
 
 NEG_ZERO_BF16 = 0x8000
@@ -213,6 +213,19 @@ def fence_system(*, loc=None, ip=None):
     """fence.acq_rel.sys: this thread's earlier memory operations (and, by the kernel
     boundary, its rank's earlier kernels') are ordered before its later ones at system scope."""
     _asm(None, [], "fence.acq_rel.sys;", "", effects=True, loc=loc, ip=ip)
+
+
+def received_slots(wait, row, vec, *, two_shot):
+    """(addresses, ranks): where a consumer polls vector `vec` of row `row` in its own mailbox
+    in the call of `wait`: one-shot, every rank's slot in rank order; two-shot, the gather
+    region, which the owner of the vector's column chunk fills."""
+    lay = wait.layout
+    within = Int64(row) * lay.row_bytes + Int64(vec) * VECTOR_BYTES
+    if two_shot:
+        return ([wait.mine + Int64(lay.gather(wait.buffer)) + within],
+                [vec // (lay.chunk // VECTOR)])
+    return ([wait.mine + Int64(lay.slot(wait.buffer, q)) + within for q in range(lay.tp)],
+            list(range(lay.tp)))
 
 
 @dsl_user_op
