@@ -2,8 +2,9 @@
 
 oproj (one GPU): the o_proj producer kernel (`kernels.producer_ops.project`) against XLA's dot
   and cuBLAS (torch in a CUDA graph, where torch is installed) for one rank's weight
-  [7168, 12288/TP], per B: µs, GB/s and the share of the read bandwidth measured in the same
-  run (the floor: the weight read once).
+  [7168, 12288/TP], per B: µs per call (the x wait included) and the producer kernel's own
+  GPU µs, each as a share of the read bandwidth measured in the same run (the floor: the
+  weight read once).
 tail (a TP mesh of every local GPU): the kernel tail (`oproj_attn_res` with a mailbox:
   producer + AttnRes consumer) against the XLA reference (dot + psum + reference AttnRes),
   and on several GPUs the reference with XLA's one-shot all-reduce kernel (a child process,
@@ -37,8 +38,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
 from benchmarks import report
-from benchmarks.timing import (cublas_per_call, read_bandwidth, time_per_call,
-                               with_xla_one_shot)
+from benchmarks.timing import (cublas_per_call, profile_per_call, read_bandwidth,
+                               time_per_call, with_xla_one_shot)
 from jax_kimik3 import reference
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 
@@ -84,18 +85,28 @@ def oproj_rows(args, bandwidth):
                 return project(xw[0] + 0 * carry[:, :1], xw[1])
 
             carry = jnp.zeros((b, H), jnp.bfloat16)
-            times = {name: time_per_call(lambda c, xw, f=f: step(c, xw, f), carry, sets)
-                     for name, f in (("producer", producer.project),
-                                     ("xla_dot", reference.oproj_partial))}
+            profiles = {name: profile_per_call(lambda c, xw, f=f: step(c, xw, f), carry, sets)
+                        for name, f in (("producer", producer.project),
+                                        ("xla_dot", reference.oproj_partial))}
+            kernel = producer_kernel_us(profiles["producer"])
             cublas = cublas_per_call(b, k, H, count)
             floor = 1e6 * weight_bytes / bandwidth
-            rows.append(dict(tp=tp, k=k, batch=b, producer_us=times["producer"],
-                             xla_dot_us=times["xla_dot"],
+            span = profiles["producer"].span_us
+            rows.append(dict(tp=tp, k=k, batch=b, producer_us=span, producer_kernel_us=kernel,
+                             xla_dot_us=profiles["xla_dot"].span_us,
                              cublas_us=float("nan") if cublas is None else cublas,
-                             speedup=times["xla_dot"] / times["producer"],
-                             producer_gbps=weight_bytes / times["producer"] / 1e3,
-                             of_read=floor / times["producer"], floor_us=floor))
+                             speedup=profiles["xla_dot"].span_us / span,
+                             kernel_of_read=floor / kernel, of_read=floor / span, floor_us=floor,
+                             kernels={name: p.kernel_us for name, p in profiles.items()}))
     return rows
+
+
+def producer_kernel_us(profile):
+    """The producer kernel's own GPU µs per call in a chain's profile (its name has the class's)."""
+    times = [us for name, us in profile.kernel_us.items() if "OprojProducer" in name]
+    if len(times) != 1:
+        raise RuntimeError(f"expected one producer kernel, found {sorted(profile.kernel_us)}")
+    return times[0]
 
 
 def tail_times(args):
@@ -262,9 +273,11 @@ def main(argv=None):
                      f"(read {bandwidth / 1e12:.2f} TB/s)", [
                          ("TP", "{tp}"), ("K", "{k}"), ("B", "{batch}"),
                          ("producer µs", "{producer_us:.2f}"), ("XLA dot µs", "{xla_dot_us:.2f}"),
-                         ("cuBLAS µs", "{cublas_us:.2f}"),
-                         ("speedup", "{speedup:.2f}x"), ("producer GB/s", "{producer_gbps:.0f}"),
-                         ("of read BW", "{of_read:.0%}"), ("floor µs", "{floor_us:.2f}")])
+                         ("cuBLAS µs", "{cublas_us:.2f}"), ("speedup", "{speedup:.2f}x"),
+                         ("of read BW", "{of_read:.0%}"),
+                         ("producer kernel µs", "{producer_kernel_us:.2f}"),
+                         ("kernel of read BW", "{kernel_of_read:.0%}"),
+                         ("floor µs", "{floor_us:.2f}")])
     if "tail" in parts:
         times = tail_times(args)
         tp = len(jax.devices())

@@ -5,7 +5,9 @@ XLA can neither merge nor overlap them: this is latency, as in a decode step) an
 input set (no two calls share inputs, and the sets together overflow the L2). The chain runs
 `repeats` times under the JAX profiler; a call's time is the median over the runs of the
 module's span on the GPU (first kernel start to last kernel end, launch gaps inside the
-module included, host dispatch excluded) divided by the chain's length.
+module included, host dispatch excluded) divided by the chain's length. Beside it, each
+kernel's own GPU time per call (the sum of its durations in a run over the chain's length, median
+over the runs): a kernel's share of the read bandwidth is held against that.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,7 @@ GAP_US = 1000.0  # ... so an idle GPU gap this long separates two runs
 
 
 def _gpu_kernel_events(trace_dir):
-    """(start µs, end µs) of every event on a GPU stream line of the perfetto trace."""
+    """(start µs, end µs, name) of every event on a GPU stream line of the perfetto trace."""
     path = next(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
     events = json.load(gzip.open(path))
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -40,27 +43,37 @@ def _gpu_kernel_events(trace_dir):
     streams = {key for key, name in lines.items() if "stream" in name.lower()}
     if not streams:
         raise RuntimeError(f"no GPU stream lines in the profile; lines: {sorted(lines.values())}")
-    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                   if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams)
 
 
-def _runs(spans):
-    """Group kernel spans into runs of the chain, split at idle gaps longer than GAP_US."""
-    runs, start, end = [], None, None
-    for s, e in spans:
+def _runs(events):
+    """Group kernel events into runs of the chain, split at idle gaps longer than GAP_US:
+    [(span µs, {kernel name: summed µs})]."""
+    runs, start, end, kernels = [], None, None, {}
+    for s, e, name in events:
         if start is not None and s - end > GAP_US:
-            runs.append(end - start)
+            runs.append((end - start, kernels))
             start = None
         if start is None:
-            start, end = s, e
+            start, end, kernels = s, e, {}
         end = max(end, e)
+        kernels[name] = kernels.get(name, 0.0) + e - s
     if start is not None:
-        runs.append(end - start)
+        runs.append((end - start, kernels))
     return runs
 
 
-def time_per_call(step, carry, input_sets, *, repeats=20):
-    """Median GPU µs of one `carry = step(carry, inputs)` over `input_sets` (a list of pytrees)."""
+class ChainProfile(NamedTuple):
+    """One call of a chain: its share of the module's GPU span, and each kernel's own GPU µs."""
+
+    span_us: float
+    kernel_us: dict[str, float]
+
+
+def profile_per_call(step, carry, input_sets, *, repeats=20) -> ChainProfile:
+    """Median GPU µs of one `carry = step(carry, inputs)` over `input_sets` (a list of pytrees),
+    and of each kernel it runs."""
     @jax.jit
     def chain(carry, sets):
         for inputs in sets:
@@ -77,7 +90,17 @@ def time_per_call(step, carry, input_sets, *, repeats=20):
         runs = _runs(_gpu_kernel_events(trace_dir))
     if len(runs) != repeats:
         raise RuntimeError(f"found {len(runs)} runs of the chain in the profile, expected {repeats}")
-    return float(np.median(runs)) / len(input_sets)
+    calls = len(input_sets)
+    names = set().union(*(kernels for _, kernels in runs))
+    return ChainProfile(
+        span_us=float(np.median([span for span, _ in runs])) / calls,
+        kernel_us={name: float(np.median([k.get(name, 0.0) for _, k in runs])) / calls
+                   for name in sorted(names)})
+
+
+def time_per_call(step, carry, input_sets, *, repeats=20):
+    """Median GPU µs of one `carry = step(carry, inputs)` over `input_sets` (a list of pytrees)."""
+    return profile_per_call(step, carry, input_sets, repeats=repeats).span_us
 
 
 def read_bandwidth(size_bytes=1 << 30, count=4):
