@@ -62,7 +62,7 @@ if wants tests; then
     > "$OUT/gpu_tests.log" 2>&1
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
-for bench in attn_res all_reduce layer; do
+for bench in attn_res all_reduce layer rank; do
   if wants "bench_$bench"; then
     args_var="BENCH_${bench^^}_ARGS"  # e.g. BENCH_LAYER_ARGS, else BENCH_ARGS
     python3 -m "benchmarks.bench_$bench" --out "$OUT" ${!args_var:-${BENCH_ARGS:-}} \

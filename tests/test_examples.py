@@ -26,7 +26,8 @@ def test_decode_loop_runs(ranks):
     assert checksum == checksum and abs(checksum) < 1e6  # finite and of a sane size
 
 
-@pytest.mark.parametrize("bench", ["bench_attn_res", "bench_all_reduce", "bench_layer"])
+@pytest.mark.parametrize("bench", ["bench_attn_res", "bench_all_reduce", "bench_layer",
+                                   "bench_rank"])
 def test_benchmark_runs_as_a_module_and_says_it_needs_a_gpu(tmp_path, bench):
     """`python -m benchmarks.<bench>` imports (no sys.path edits) and, on CPU, stops with why."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
