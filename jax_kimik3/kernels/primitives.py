@@ -5,10 +5,9 @@ Memory semantics of the mailbox (docs/protocol.md has the argument):
 - every store a peer polls for (publish, the two-shot owner's gather store, re-arm, the
   FAILED word) is a strong `st.relaxed.sys`; every poll a strong `ld.relaxed.sys`, which
   re-reads memory each time: no data race in PTX's memory model, no cached copy;
-- every thread of a publishing kernel runs `fence.acq_rel.sys` first, at the kernel's start
-  (the o_proj producer, a programmatic dependent launch: right after `griddepcontrol.wait`,
-  having only armed its shared memory with the weight before): the earlier kernels of its
-  stream (the previous call's polls and re-arms) are complete by then, and the fence followed by the thread's strong stores is a release pattern, so the
+- every thread of a publishing kernel runs `fence.acq_rel.sys` first, at the kernel's start:
+  the earlier kernels of its stream (the previous call's polls and re-arms) are complete when
+  it starts, and the fence followed by the thread's strong stores is a release pattern, so the
   re-arms are ordered before the publish at system scope and what those polls observed of the
   peers' rows is acquired first: no peer can see this call's rows and publish the next call's
   into a slot this rank still re-arms. (At the start the thread has nothing in flight, so the
