@@ -97,7 +97,6 @@ def oproj_rows(args, bandwidth):
                              cublas_us=float("nan") if cublas is None else cublas,
                              speedup=profiles["xla_dot"].span_us / span,
                              kernel_of_read=floor / kernel, of_read=floor / span, floor_us=floor,
-                             early_us=profiles["producer"].overlap_us,
                              kernels={name: p.kernel_us for name, p in profiles.items()}))
     return rows
 
@@ -278,7 +277,6 @@ def main(argv=None):
                          ("of read BW", "{of_read:.0%}"),
                          ("producer kernel µs", "{producer_kernel_us:.2f}"),
                          ("kernel of read BW", "{kernel_of_read:.0%}"),
-                         ("early µs", "{early_us:.2f}"),
                          ("floor µs", "{floor_us:.2f}")])
     if "tail" in parts:
         times = tail_times(args)

@@ -49,31 +49,26 @@ def _gpu_kernel_events(trace_dir):
 
 def _runs(events):
     """Group kernel events into runs of the chain, split at idle gaps longer than GAP_US:
-    [(span µs, {kernel name: summed µs}, µs in which a kernel ran beside the one before)]."""
-    runs, start, end, kernels, overlap = [], None, None, {}, 0.0
+    [(span µs, {kernel name: summed µs})]."""
+    runs, start, end, kernels = [], None, None, {}
     for s, e, name in events:
         if start is not None and s - end > GAP_US:
-            runs.append((end - start, kernels, overlap))
+            runs.append((end - start, kernels))
             start = None
         if start is None:
-            start, end, kernels, overlap = s, e, {}, 0.0
-        else:
-            overlap += max(0.0, min(end, e) - s)  # started before the ones before it ended
-            end = max(end, e)
+            start, end, kernels = s, e, {}
+        end = max(end, e)
         kernels[name] = kernels.get(name, 0.0) + e - s
     if start is not None:
-        runs.append((end - start, kernels, overlap))
+        runs.append((end - start, kernels))
     return runs
 
 
 class ChainProfile(NamedTuple):
-    """One call of a chain: its share of the module's GPU span, each kernel's own GPU µs, and
-    the µs in which a kernel ran beside the kernel before it (a programmatic dependent launch
-    that started early; 0 where every kernel waited for the one before)."""
+    """One call of a chain: its share of the module's GPU span, and each kernel's own GPU µs."""
 
     span_us: float
     kernel_us: dict[str, float]
-    overlap_us: float
 
 
 def profile_per_call(step, carry, input_sets, *, repeats=20) -> ChainProfile:
@@ -96,12 +91,11 @@ def profile_per_call(step, carry, input_sets, *, repeats=20) -> ChainProfile:
     if len(runs) != repeats:
         raise RuntimeError(f"found {len(runs)} runs of the chain in the profile, expected {repeats}")
     calls = len(input_sets)
-    names = set().union(*(kernels for _, kernels, _ in runs))
+    names = set().union(*(kernels for _, kernels in runs))
     return ChainProfile(
-        span_us=float(np.median([span for span, _, _ in runs])) / calls,
-        kernel_us={name: float(np.median([k.get(name, 0.0) for _, k, _ in runs])) / calls
-                   for name in sorted(names)},
-        overlap_us=float(np.median([o for _, _, o in runs])) / calls)
+        span_us=float(np.median([span for span, _ in runs])) / calls,
+        kernel_us={name: float(np.median([k.get(name, 0.0) for _, k in runs])) / calls
+                   for name in sorted(names)})
 
 
 def time_per_call(step, carry, input_sets, *, repeats=20):
