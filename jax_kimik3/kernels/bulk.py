@@ -5,7 +5,7 @@ A stage of shared memory is filled by one thread: it arms the stage's mbarrier w
 it will copy (`expect_bytes`), then issues the copies (`copy_in`); the copy engine completes
 the bytes on the mbarrier, and every thread that needs the stage waits for the mbarrier's
 phase (`wait_phase`). Shared memory is addressed by its 32-bit shared-window address
-(`shared_address`); `load_shared` / `store_shared` move 16 bytes of it.
+(`shared_address`).
 """
 
 from __future__ import annotations
@@ -93,11 +93,3 @@ def load_shared(address: Int32, *, loc=None, ip=None):
     out = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int32(address).ir_value(loc=loc, ip=ip)],
                "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc=loc, ip=ip)
     return [Uint32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def store_shared(address: Int32, words, *, loc=None, ip=None):
-    """st.shared.v4 of four words at `address`."""
-    _asm(None, [Int32(address).ir_value(loc=loc, ip=ip)]
-         + [Uint32(w).ir_value(loc=loc, ip=ip) for w in words],
-         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", loc=loc, ip=ip)

@@ -56,8 +56,7 @@ class OprojAttnResFused:
         self.consumer = attn_res_kernels.AttnResKernel(variant)
         self.producer = producer.OprojProducer(
             tiles(batch), k, HIDDEN, Publish(reduction.spec, False), self.ranks,
-            smem=SMEM_PER_CTA - attn_res_kernels._smem_bytes(2, self.consumer.exchanged),
-            dependent=False)
+            smem=SMEM_PER_CTA - attn_res_kernels._smem_bytes(2, self.consumer.exchanged))
         self.layout = reduction.spec.layout
         items = self.ranks * (PRODUCER_CTAS // CLUSTER + batch)  # in clusters
         self.clusters = min(clusters, items)

@@ -9,13 +9,8 @@ as little as it can. Work comes in items: 16 rows of one rank's w (N/16 = 448 pe
   columns of k: one thread fills a stage with 16 bulk copies (`cp.async.bulk`, L2 evict-first)
   counted on the stage's mbarrier, `stages` chunks ahead of the warps, across item boundaries,
   so the weight keeps flowing while the warps compute and publish.
-- x is staged whole ([B, K], once per rank a CTA meets, by every thread's 16-byte loads: not
-  behind the weight's copies) where it fits beside the ring; else the warps read it from
-  global memory through L1.
-- Launched as a programmatic dependent launch (the standalone producer): the CTA arms its
-  ring with the weight, which no kernel writes, then waits for the kernels before it
-  (`griddepcontrol.wait`) and only then fences, reads the control words and x, and stores;
-  so the weight stream starts while the kernel before it (x's producer) drains.
+- x is staged whole ([B, K], once per rank a CTA meets) where it fits beside the ring; else
+  the warps read it from global memory through L1.
 - Each warp takes 1/WARPS of a chunk's k and runs `mma.sync.m16n8k16` with the 16 rows as A
   and x as B, one 8-column B tile per 8 tokens. Any bijection of k is a valid reduction order
   as long as A and B use the same one: lane (g, t) (g = lane / 4, t = lane % 4) loads 16
@@ -53,9 +48,6 @@ MAX_BATCH = KIMI_K3.mailbox_capacity  # decode rows per rank: at most 8 B tiles 
 PAD = 64  # bytes after each staged row: its stride is 64 mod 128 bytes
 CHUNKS = (1024, 768, 512, 256)  # k per stage, largest first (each a multiple of WARPS·STEP)
 GOOD_STAGES, MIN_STAGES, MAX_STAGES = 4, 2, 8  # ring depths: wanted, least, most
-# With x read from global, the ring takes at most this much: the rest of the SM's 256 KB of
-# L1 and shared memory is L1, which serves x to every item of the CTA.
-SMEM_BESIDE_L1 = 96 * 1024
 BARRIER_BYTES = 8
 
 
@@ -66,11 +58,10 @@ def _align(n: int, to: int = 128) -> int:
 class OprojProducer:
     """bf16(x @ w.T) for R ranks at (K, N) and any B of `tiles` B tiles (B read at run time);
     rows out ([B, N], R = 1) or published. `smem`: the shared memory it may take per CTA (the
-    fused tail gives it less); `dependent`: its own launch, as a programmatic dependent launch
-    (False: the fused tail's CTAs stream, and fence at their kernel's start)."""
+    fused tail gives it less)."""
 
     def __init__(self, tiles: int, k: int, n: int, publish: Publish | None, ranks: int = 1,
-                 smem: int = PRODUCER_SMEM, dependent: bool = True):
+                 smem: int = PRODUCER_SMEM):
         if k % (WARPS * STEP) or n % ROWS or not 1 <= tiles <= MAX_BATCH // TOKENS:
             raise ValueError(f"o_proj producer: K={k} must be a multiple of {WARPS * STEP}, "
                              f"N={n} of {ROWS}, and tiles={tiles} in [1, {MAX_BATCH // TOKENS}]")
@@ -78,7 +69,6 @@ class OprojProducer:
             raise ValueError(f"o_proj producer: ranks={ranks} without a publish; one rank "
                              "writes a plain output")
         self.tiles, self.k, self.n, self.publish, self.ranks = tiles, k, n, publish, ranks
-        self.dependent = dependent
         self.x_row = 2 * k + PAD  # bytes per staged x row
         self.x_staged, self.chunk, self.stages = self._plan(smem)
         if self.smem_bytes > smem:
@@ -87,15 +77,13 @@ class OprojProducer:
 
     def _plan(self, smem: int):
         """(x staged, chunk, stages): x staged if the ring still gets GOOD_STAGES stages, the
-        largest chunk that does; else x from global (the ring within SMEM_BESIDE_L1) and
-        the largest chunk with GOOD_STAGES, else with MIN_STAGES."""
+        largest chunk that does; else the largest chunk with MIN_STAGES (x from global)."""
         for least in (GOOD_STAGES, MIN_STAGES):
             for staged in (True, False):
                 for chunk in CHUNKS:
                     if self.k % chunk:
                         continue
-                    free = (smem if staged else min(smem, SMEM_BESIDE_L1)) - self._fixed_bytes(
-                        staged) - 128
+                    free = smem - self._fixed_bytes(staged) - 128
                     stages = min(MAX_STAGES, free // self._stage_bytes(chunk))
                     if stages >= least:
                         return staged, chunk, stages
@@ -113,7 +101,7 @@ class OprojProducer:
         """All but the ring: the mbarriers, staged x, each warp's accumulators and the CTA's
         [tiles·8, 16] fp32 tile."""
         epilogue = 4 * (WARPS + 1) * self.tiles * TOKENS * ROWS
-        return (_align(BARRIER_BYTES * MAX_STAGES) + self._x_bytes(staged)
+        return (_align(BARRIER_BYTES * (MAX_STAGES + 1)) + self._x_bytes(staged)
                 + _align(epilogue) + 128)
 
     @property
@@ -135,7 +123,7 @@ class OprojProducer:
         """The plain product: x [B, K], w [N, K] → out [B, N]."""
         self.kernel(x, w, None, None, out, cute.size(x, mode=[0])).launch(
             grid=[self.grid, 1, 1], block=[WARPS * WARP, 1, 1], smem=self.smem_bytes,
-            stream=stream, use_pdl=self.dependent)
+            stream=stream)
 
     @cute.jit
     def launch(self, stream, x: cute.Tensor, w: cute.Tensor, table: cute.Tensor,
@@ -143,10 +131,12 @@ class OprojProducer:
         """The publishing producer of every rank of `ranks` (x [R·B, K], w [R·N, K])."""
         self.kernel(x, w, table, ranks, None, cute.size(x, mode=[0]) // self.ranks).launch(
             grid=[self.grid, 1, 1], block=[WARPS * WARP, 1, 1], smem=self.smem_bytes,
-            stream=stream, use_pdl=self.dependent)
+            stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, w: cute.Tensor, table, ranks, out, batch: Int32):
+        if cutlass.const_expr(self.publish is not None):
+            fence_system()  # release: the earlier kernels' re-arms before the publish
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         items = self.ranks * self.ctas_per_rank
@@ -162,7 +152,7 @@ class OprojProducer:
         CTA barriers); the fused tail kernel too."""
         smem = cutlass.memory.SmemAllocator()
         barriers = bulk.shared_address(smem.allocate_array(
-            Int64, MAX_STAGES, byte_alignment=128))
+            Int64, MAX_STAGES + 1, byte_alignment=128))
         ring = bulk.shared_address(smem.allocate_array(
             Uint8, self.stages * self._stage_bytes(self.chunk), byte_alignment=128))
         staged_x = 0
@@ -174,8 +164,9 @@ class OprojProducer:
             byte_alignment=16)
         tile = smem.allocate_tensor(Float32, cute.make_layout(
             (self.tiles * TOKENS, ROWS), stride=(ROWS, 1)), byte_alignment=16)
+        x_barrier = barriers + BARRIER_BYTES * self.stages
         if tidx == 0:
-            for s in cutlass.range_constexpr(self.stages):
+            for s in cutlass.range_constexpr(self.stages + 1):
                 bulk.init_barrier(barriers + BARRIER_BYTES * s)
             bulk.fence_barrier_init()
         cute.arch.barrier()
@@ -185,20 +176,22 @@ class OprojProducer:
         if tidx == 0:
             for c in cutlass.range(cutlass.min(count, self.stages)):
                 self.fill(c, first, w, ring, barriers, policy)
-        if cutlass.const_expr(self.dependent):
-            cute.arch.griddepcontrol_wait()  # the kernels before this one are done
-            if cutlass.const_expr(self.publish is not None):
-                fence_system()  # release: the earlier kernels' re-arms before the publish
         acc = cute.make_rmem_tensor(4 * self.tiles, Float32)
-        x_rank = Int32(-1)
+        x_rank, x_phase = Int32(-1), Int32(0)
         for item in cutlass.range(first, last):
             i = item // self.ctas_per_rank
             if cutlass.const_expr(self.x_staged):
                 if i != x_rank:  # stage rank i's x [B, K] once every warp is done with the last
                     cute.arch.barrier()
-                    self.stage_x(tidx, x, i, staged_x, batch)
-                    cute.arch.barrier()
-                    x_rank = i
+                    if tidx == 0:
+                        bulk.fence_async_shared()
+                        bulk.expect_bytes(x_barrier, batch * (2 * self.k))
+                        for r in cutlass.range(batch):
+                            bulk.copy_in(staged_x + r * self.x_row,
+                                         Int64(x.iterator.toint()) + (Int64(i) * batch + r)
+                                         * (2 * self.k), 2 * self.k, x_barrier, policy)
+                    bulk.wait_phase(x_barrier, x_phase)
+                    x_phase, x_rank = 1 - x_phase, i
             rank = None
             wait = None
             if cutlass.const_expr(self.publish is not None):  # read now: hidden by the stream
@@ -219,17 +212,6 @@ class OprojProducer:
                         self.fill(c + self.stages, first, w, ring, barriers, policy)
             self.finish(tidx, item - i * self.ctas_per_rank, acc, partial, tile, out, wait,
                         rank, batch)
-
-    @cute.jit
-    def stage_x(self, tidx, x: cute.Tensor, i, staged_x, batch):
-        """Rank i's x [B, K] into shared memory, 16 bytes per thread and step."""
-        per_row = self.k // VECTOR
-        for item in cutlass.range(tidx, batch * per_row, WARPS * WARP):
-            row = item // per_row
-            vec = item - row * per_row
-            bulk.store_shared(staged_x + row * self.x_row + vec * VECTOR_BYTES, load_words(
-                Int64(x.iterator.toint()) + (Int64(i) * batch + row) * (2 * self.k)
-                + Int64(vec) * VECTOR_BYTES))
 
     @cute.jit
     def fill(self, c, first, w: cute.Tensor, ring, barriers, policy):
