@@ -3,9 +3,8 @@ in one persistent launch ("fused" in kernels/oproj.py, which has the algorithm a
 
 The grid is `clusters` clusters of CLUSTER CTAs, every one resident at once (`residency`
 sizes it from the device's occupancy), each CTA of PRODUCER_WARPS warps:
-1. producer items: CTA j of the grid takes the j-th contiguous run of the R·N/16 producer
-   items (`OprojProducer.stream`: 16 rows of rank i's w each, then the publish), its weight
-   streamed through a ring of shared-memory stages in what the consumer leaves free;
+1. producer items: CTA j of the grid takes CTA items j, j + CLUSTER·clusters, ... of the R·N/16
+   producer CTAs (`OprojProducer.rows`: 16 rows of rank i's w, then the publish);
 2. consumer items: then cluster g takes token rows g, g + clusters, ... of the R·B rows
    (`AttnResKernel.row` on THREADS threads of each CTA; the other warps exit first).
 A CTA finishes all its producer items before it polls, and every CTA is resident, so each
@@ -53,10 +52,9 @@ class OprojAttnResFused:
         if clusters < 1:
             raise ValueError(f"fused o_proj tail: clusters={clusters} must be >= 1")
         self.ranks, self.batch, self.k = reduction.ranks, batch, k
+        self.producer = producer.OprojProducer(tiles(batch), k, HIDDEN,
+                                               Publish(reduction.spec, False), self.ranks)
         self.consumer = attn_res_kernels.AttnResKernel(variant)
-        self.producer = producer.OprojProducer(
-            tiles(batch), k, HIDDEN, Publish(reduction.spec, False), self.ranks,
-            smem=SMEM_PER_CTA - attn_res_kernels._smem_bytes(2, self.consumer.exchanged))
         self.layout = reduction.spec.layout
         items = self.ranks * (PRODUCER_CTAS // CLUSTER + batch)  # in clusters
         self.clusters = min(clusters, items)
@@ -92,10 +90,12 @@ class OprojAttnResFused:
         tidx, _, _ = cute.arch.thread_idx()
         cta, cluster, _ = cute.arch.block_idx()
         ctas = CLUSTER * self.clusters
-        # 1. producer items: every thread (the stream has CTA barriers)
-        q, items = cluster * CLUSTER + cta, self.ranks * PRODUCER_CTAS
-        self.producer.stream(tidx, q * items // ctas, (q + 1) * items // ctas, x, w, t.table,
-                             t.ranks, None, self.batch)
+        # 1. producer items: every thread (the GEMM has CTA barriers)
+        for item in cutlass.range(cluster * CLUSTER + cta, self.ranks * PRODUCER_CTAS, ctas):
+            i = item // PRODUCER_CTAS
+            x_i, w_i = self.producer.rank_operands(x, w, i, self.batch)
+            self.producer.rows(tidx, item - i * PRODUCER_CTAS, x_i, w_i, t.table, t.ranks[i],
+                               None, self.batch)
         # 2. consumer rows: THREADS threads per CTA; the other warps exit here
         if tidx < THREADS:
             for row in cutlass.range(cluster, self.ranks * self.batch, self.clusters):

@@ -13,5 +13,3 @@ TOKENS = 8  # tokens per producer B tile: the mma's N
 PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 FUSED_CTAS_PER_SM = 4  # the fused tail's register cap (.minnctapersm): <= 64 registers
 FLAT_THREADS = 128  # per CTA of the flat Lamport kernels (publish, owner, consumer): a vector each
-SMS = 132  # an H200's SMs: the producer's persistent grid (more CTAs would only queue)
-PRODUCER_SMEM = 227 * 1024  # an sm_90 CTA's largest shared memory: one producer CTA per SM

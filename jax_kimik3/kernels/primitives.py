@@ -141,6 +141,16 @@ def load_word(address: Int64, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def stream_words(address: Int64, *, loc=None, ip=None):
+    """16 read-only bytes at `address` as four Uint32, streamed: a non-coherent load that
+    skips L1 and asks L2 for the whole 256-byte line (weights read once per call)."""
+    out = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(address).ir_value(loc=loc, ip=ip)],
+               "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
+               "=r,=r,=r,=r,l", effects=False, loc=loc, ip=ip)
+    return [Uint32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
 def mma_bf16(a, b, c, *, loc=None, ip=None):
     """One warp-wide `mma.sync.m16n8k16` (bf16 in, fp32 accumulate): D = A·B + C with this
     lane's fragments a (4 words), b (2 words), c (4 fp32); returns D's 4 fp32."""
