@@ -110,12 +110,19 @@ if wants profile; then
   # Nsight Compute over the sanitizer's workload ($PROFILE_ARGS, e.g. "--kinds split --tps 2
   # --batches 8"): one pass per kernel (duration, DRAM bytes read, launch shape), clocks as
   # they run, caches flushed before each kernel; the table lists the kernels of the workload.
+  # $PROFILE_SECTIONS (e.g. "SpeedOfLight WarpStateStats"): those sections too, for the
+  # kernels matching $PROFILE_KERNELS (a regex), printed to profile_details.txt.
+  sections=(); for section in ${PROFILE_SECTIONS:-}; do sections+=(--section "$section"); done
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" ncu --clock-control none \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
+    "${sections[@]}" --kernel-name "regex:${PROFILE_KERNELS:-.}" \
     -f -o "$OUT/profile" python3 scripts/sanitize_kernels.py --timeout-ms 5000 \
     ${PROFILE_ARGS:---kinds split --tps 2 --batches 8} > "$OUT/profile.log" 2>&1
   ncu --import "$OUT/profile.ncu-rep" --csv --page raw > "$OUT/profile.csv" 2>>"$OUT/profile.log"
   python3 scripts/profile_table.py "$OUT/profile.csv" | tee "$RESULTS/profile.md"
+  if [[ -n ${PROFILE_SECTIONS:-} ]]; then
+    ncu --import "$OUT/profile.ncu-rep" --page details > "$RESULTS/profile_details.txt" 2>>"$OUT/profile.log"
+  fi
   summary+=("profile: $(grep -h 'sanitize_kernels:' "$OUT/profile.log")")
 fi
 grep -E "FAILED|Error" "$OUT/gpu_tests.log" 2>/dev/null | head -n 20

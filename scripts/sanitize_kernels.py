@@ -21,7 +21,8 @@ from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 
 CFG = k3.KIMI_K3
 H, NB = CFG.hidden_size, CFG.num_attn_res_blocks
-KINDS = ("attn_res", "statistics", "all_reduce", "two_shot", "split", "xla", "fused")
+KINDS = ("attn_res", "statistics", "producer", "all_reduce", "two_shot", "split", "xla",
+         "fused")
 
 
 def parse_args(argv=None):
@@ -54,6 +55,15 @@ def statistics_case(rng, b):
     want = reference.attn_res_statistics(inp.blocks, inp.res_norm_w, inp.res_proj_w,
                                          num_blocks=8, eps=CFG.rms_norm_eps)
     return relative(got.mixture, want[0])
+
+
+def producer_case(rng, b, tp):
+    """One rank's o_proj rows (K = 12288 / TP) on the producer kernel alone."""
+    from jax_kimik3.kernels import producer_ops
+
+    x, w = (a[..., : a.shape[-1] // tp] for a in oproj_inputs(rng, b))
+    got = jax.jit(producer_ops.project)(x, w)
+    return relative(got, reference.oproj_partial(x, w))
 
 
 def all_reduce_case(rng, b, mailbox, two_shot):
@@ -105,6 +115,9 @@ def main(argv=None):
         if "statistics" in kinds:
             report(f"statistics B={b}", lambda: statistics_case(rng, b))
     for tp in map(int, args.tps.split(",")):
+        for b in map(int, args.batches.split(",")):
+            if "producer" in kinds:
+                report(f"producer TP{tp} B={b}", lambda: producer_case(rng, b, tp))
         with k3.Mailbox.virtual(jax.devices()[0], tp, timeout_ms=args.timeout_ms) as mailbox:
             for b in map(int, args.batches.split(",")):
                 for kind in ("all_reduce", "two_shot"):
