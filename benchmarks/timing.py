@@ -105,15 +105,16 @@ def time_per_call(step, carry, input_sets, *, repeats=20):
 
 def read_bandwidth(size_bytes=1 << 30, count=4):
     """Measured device read bandwidth in bytes/s, the floor of a read-bound kernel (the o_proj
-    weight stream): each call reduces `size_bytes` of bf16 scaled by the previous call's
-    result, so XLA can neither hoist the reduction out of the chain nor merge two of them,
-    and 1 GiB is far past the L2."""
-    x = jnp.full((size_bytes // 2,), 1e-3, jnp.bfloat16)
+    weight stream): each call reduces its own `size_bytes` of bf16 (`count` arrays, together
+    past the L2 when small) scaled by the previous call's result, so XLA can neither hoist the
+    reduction out of the chain nor merge two of them. At 1 GiB the launch and ramp of a call
+    vanish; at a weight's size they are what any kernel reading those bytes pays too."""
+    arrays = [jnp.full((size_bytes // 2,), 1e-3 * (i + 1), jnp.bfloat16) for i in range(count)]
 
     def step(c, data):
         return jnp.tanh(jnp.sum(data * c.astype(jnp.bfloat16), dtype=jnp.float32))
 
-    per_call = time_per_call(step, jnp.float32(1.0), [x] * count, repeats=5)
+    per_call = time_per_call(step, jnp.float32(1.0), arrays, repeats=5)
     return size_bytes / (per_call * 1e-6)
 
 
