@@ -4,8 +4,8 @@ oproj (one GPU): the o_proj producer kernel (`kernels.producer_ops.project`) aga
   and cuBLAS (torch in a CUDA graph, where torch is installed) for one rank's weight
   [7168, 12288/TP], per B: µs per call (the x wait included) and the producer kernel's own
   GPU µs, each as a share of the read bandwidth measured in the same run (the floor: the
-  weight read once), and against an XLA reduction over the weight's own bytes (what reading
-  that much in one kernel costs, launch and ramp included).
+  weight read once), and the per-call µs against those of an XLA reduction over the weight's
+  own bytes (what a chain of calls that each read that much costs, launch and ramp included).
 tail (a TP mesh of every local GPU): the kernel tail (`oproj_attn_res` with a mailbox:
   producer + AttnRes consumer) against the XLA reference (dot + psum + reference AttnRes),
   and on several GPUs the reference with XLA's one-shot all-reduce kernel (a child process,
@@ -99,7 +99,7 @@ def oproj_rows(args, bandwidth):
                              cublas_us=float("nan") if cublas is None else cublas,
                              speedup=profiles["xla_dot"].span_us / span,
                              kernel_of_read=floor / kernel, of_read=floor / span, floor_us=floor,
-                             read_us=read_us, kernel_of_same_read=read_us / kernel,
+                             read_us=read_us, of_same_read=read_us / span,
                              kernels={name: p.kernel_us for name, p in profiles.items()}))
     return rows
 
@@ -281,7 +281,7 @@ def main(argv=None):
                          ("producer kernel µs", "{producer_kernel_us:.2f}"),
                          ("kernel of read BW", "{kernel_of_read:.0%}"),
                          ("same-size read µs", "{read_us:.2f}"),
-                         ("kernel of it", "{kernel_of_same_read:.0%}"),
+                         ("producer µs of it", "{of_same_read:.0%}"),
                          ("floor µs", "{floor_us:.2f}")])
     if "tail" in parts:
         times = tail_times(args)
