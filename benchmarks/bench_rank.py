@@ -1,10 +1,10 @@
 """Benchmark: the post-attention tail as one rank of a TP mesh does it, on one GPU.
 
-Rank 0 of a TP mailbox (default TP 8; every rank's buffer on this GPU) runs its own tail call
+Rank 0 of a TP mailbox (TP 2 and 8 by default; every rank's buffer on this GPU) runs its own tail call
 as a mesh rank would (`oproj.tail` with ranks = [0]: its producer and publish into every
 rank's slot, the wait for and sum of its TP slots, AttnRes, the re-arm), while ghost peers
 (benchmarks/ghost_peers.py) have already delivered the other ranks' rows for that call. Per
-variant (fused, split, two_shot, xla) and B: µs per layer (the chain's span, less the ghost
+variant (fused; split and xla, one-shot and two-shot) and B: µs per layer (the chain's span, less the ghost
 kernel's own GPU time), beside XLA's per-rank work on the same device (XLA's dot, the add of
 the peers' rows a psum would bring, the reference AttnRes), and the NVLink transfer a real
 mesh would add (the cost model: the bytes this rank sends at NVLINK_BYTES_PER_S; overlapped
@@ -32,7 +32,7 @@ from jax_kimik3.inputs import attn_res_inputs
 CFG = k3.KIMI_K3
 H, K_TOTAL, NB = CFG.hidden_size, CFG.o_proj_in_features, CFG.num_attn_res_blocks
 NUM_BLOCKS = 8
-VARIANTS = ("fused", "split", "two_shot", "xla")
+VARIANTS = ("fused", "split", "two_shot", "xla", "xla_two_shot")  # two_shot: split, two-shot
 # NVLink4 (H100/H200 SXM): 18 links of 25 GB/s per direction, 450 GB/s out of each GPU.
 NVLINK_BYTES_PER_S = 450e9
 # Relative L2 error of rank 0's out against the model above which a timed variant is refused:
@@ -43,7 +43,7 @@ SANITY_BOUND = 5e-2
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--tps", default="2,8")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--sets", type=int, default=8, help="input sets (weights past the L2)")
@@ -64,12 +64,12 @@ def relative(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def rank_rows(args, bandwidth):
+def rank_rows(args, tp, bandwidth):
     from benchmarks import ghost_peers
     from jax_kimik3 import tuning
     from jax_kimik3.kernels import oproj
 
-    tp, k = args.tp, K_TOTAL // args.tp
+    k = K_TOTAL // tp
     device = jax.devices()[0]
     mailbox = k3.Mailbox.virtual(device, tp)
     table = jnp.asarray(mailbox.peer_table)
@@ -92,7 +92,7 @@ def rank_rows(args, bandwidth):
 
         def tail(carry, s, variant):
             prefix, out = carry
-            two_shot = variant == "two_shot"
+            two_shot = variant.endswith("two_shot")
             done = ghost_peers.deliver(s["ghosts"], s["total"], table, out, spec=mailbox.spec,
                                        two_shot=two_shot)
             x = s["x"] + 0 * out[:, :1] + 0 * done[0].astype(jnp.bfloat16)  # after both
@@ -100,7 +100,8 @@ def rank_rows(args, bandwidth):
                 x, s["w"], prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w,
                 inp.out_norm_w, table=table, ranks=rank, spec=mailbox.spec,
                 num_blocks=NUM_BLOCKS, has_delta=True, eps=CFG.rms_norm_eps,
-                out_eps=CFG.rms_norm_eps, variant="split" if two_shot else variant,
+                out_eps=CFG.rms_norm_eps,
+                variant="split" if variant == "two_shot" else variant.removesuffix("_two_shot"),
                 two_shot=two_shot)
             return prefixes[0], outs[0]
 
@@ -116,8 +117,9 @@ def rank_rows(args, bandwidth):
             return prefix, out
 
         carry = (inp.prefix, inp.prefix)
-        row = dict(tp=tp, k=k, batch=b, table=tuning.tail_variant(b, k),
-                   xla_us=profile_per_call(xla, carry, sets).span_us,
+        table = tuning.tail_variant(b, k) + ("_two_shot" if tuning.use_two_shot(b, tp) else "")
+        row = dict(tp=tp, k=k, batch=b, table=table.replace("split_two_shot", "two_shot"),
+                   reference_us=profile_per_call(xla, carry, sets).span_us,
                    floor_us=1e6 * H * k * 2 / bandwidth)
         for variant in args.variants.split(","):
             step = lambda c, s, v=variant: tail(c, s, v)  # noqa: E731
@@ -137,7 +139,7 @@ def rank_rows(args, bandwidth):
         mailbox.check()
         times = {v: row[f"{v}_us"] for v in args.variants.split(",")}
         row["best"] = min(times, key=times.get)
-        row["speedup"] = row["xla_us"] / times[row["best"]]
+        row["speedup"] = row["reference_us"] / times[row["best"]]
         row["nvlink_one_shot_us"] = nvlink_us(tp, b, False)
         row["nvlink_two_shot_us"] = nvlink_us(tp, b, True)
         rows.append(row)
@@ -150,14 +152,14 @@ def main(argv=None):
     if jax.default_backend() != "gpu":
         sys.exit("bench_rank needs a GPU")
     bandwidth = read_bandwidth()
-    rows = rank_rows(args, bandwidth)
+    rows = [row for tp in map(int, args.tps.split(",")) for row in rank_rows(args, tp, bandwidth)]
     info = report.meta(read_bandwidth_tbps=bandwidth / 1e12)
     variants = args.variants.split(",")
     report.write(args.out, "bench_rank", info, rows,
-                 f"One TP{args.tp} rank's post-attention tail on one GPU (ghost peers), per layer", [
+                 "One TP rank's post-attention tail on one GPU (ghost peers), per layer", [
                      ("TP", "{tp}"), ("B", "{batch}"),
                      *((f"{v} µs", f"{{{v}_us:.2f}}") for v in variants),
-                     ("XLA per-rank µs", "{xla_us:.2f}"), ("fastest", "{best}"),
+                     ("XLA per-rank µs", "{reference_us:.2f}"), ("fastest", "{best}"),
                      ("vs XLA", "{speedup:.2f}x"), ("table", "{table}"),
                      ("NVLink one-shot µs", "{nvlink_one_shot_us:.2f}"),
                      ("NVLink two-shot µs", "{nvlink_two_shot_us:.2f}"),
