@@ -117,8 +117,8 @@ def rank_rows(args, tp, bandwidth):
             return prefix, out
 
         carry = (inp.prefix, inp.prefix)
-        table = tuning.tail_variant(b, k) + ("_two_shot" if tuning.use_two_shot(b, tp) else "")
-        row = dict(tp=tp, k=k, batch=b, table=table.replace("split_two_shot", "two_shot"),
+        choice = tuning.tail_variant(b, k) + ("_two_shot" if tuning.use_two_shot(b, tp) else "")
+        row = dict(tp=tp, k=k, batch=b, table=choice.replace("split_two_shot", "two_shot"),
                    reference_us=profile_per_call(xla, carry, sets).span_us,
                    floor_us=1e6 * H * k * 2 / bandwidth)
         for variant in args.variants.split(","):
