@@ -152,18 +152,20 @@ def main(argv=None):
     if jax.default_backend() != "gpu":
         sys.exit("bench_rank needs a GPU")
     bandwidth = read_bandwidth()
-    rows = [row for tp in map(int, args.tps.split(",")) for row in rank_rows(args, tp, bandwidth)]
     info = report.meta(read_bandwidth_tbps=bandwidth / 1e12)
     variants = args.variants.split(",")
-    report.write(args.out, "bench_rank", info, rows,
-                 "One TP rank's post-attention tail on one GPU (ghost peers), per layer", [
-                     ("TP", "{tp}"), ("B", "{batch}"),
-                     *((f"{v} µs", f"{{{v}_us:.2f}}") for v in variants),
-                     ("XLA per-rank µs", "{reference_us:.2f}"), ("fastest", "{best}"),
-                     ("vs XLA", "{speedup:.2f}x"), ("table", "{table}"),
-                     ("NVLink one-shot µs", "{nvlink_one_shot_us:.2f}"),
-                     ("NVLink two-shot µs", "{nvlink_two_shot_us:.2f}"),
-                     ("o_proj floor µs", "{floor_us:.2f}")])
+    rows = []
+    for tp in map(int, args.tps.split(",")):  # written after each TP
+        rows += rank_rows(args, tp, bandwidth)
+        report.write(args.out, "bench_rank", info, rows,
+                     "One TP rank's post-attention tail on one GPU (ghost peers), per layer", [
+                         ("TP", "{tp}"), ("B", "{batch}"),
+                         *((f"{v} µs", f"{{{v}_us:.2f}}") for v in variants),
+                         ("XLA per-rank µs", "{reference_us:.2f}"), ("fastest", "{best}"),
+                         ("vs XLA", "{speedup:.2f}x"), ("table", "{table}"),
+                         ("NVLink one-shot µs", "{nvlink_one_shot_us:.2f}"),
+                         ("NVLink two-shot µs", "{nvlink_two_shot_us:.2f}"),
+                         ("o_proj floor µs", "{floor_us:.2f}")])
 
 
 if __name__ == "__main__":
