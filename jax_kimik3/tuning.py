@@ -16,14 +16,16 @@ TailVariant = Literal["fused", "split", "xla"]
 TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 
 # K per rank → ((largest B, variant), ...) by increasing B; B past the last entry: "xla".
-# fused to B = 4: "Tail variants" (TP2 mesh) and "Session 4" (virtual TP 4/8/16), 2026-11-29.
-# split to B = 16: "o_proj producer kernel vs XLA's dot" (the producer at least as fast as
-#   XLA's dot + publish at K <= 6144, B <= 16) and "Tail variants" (split from B = 8 on the
-#   TP2 mesh), 2026-11-29. XLA's dot at K = 12288 (TP 1): the same producer section.
+# 1536 (TP 8) and 6144 (TP 2): by what one rank of a mesh runs, "Session 7" (bench_rank:
+#   rank 0's own tail call, the peers' rows delivered by ghost peers), 2026-12-01. At TP 2,
+#   B = 17..32, fused was 2 µs faster than xla there, but the GPU tests hold fused to B <= 16.
+# 3072 and 768 (TP 4, 16): whole virtual-TP groups, "Tail variants" and "Session 4", 2026-11-29
+#   (fused to B = 4, the producer kernel to B = 16); XLA's dot at K = 12288 (TP 1): "o_proj
+#   producer kernel vs XLA's dot".
 TAIL_VARIANTS: dict[int, tuple[tuple[int, TailVariant], ...]] = {
-    6144: ((4, "fused"), (16, "split")),
+    6144: ((8, "split"), (16, "fused")),
     3072: ((4, "fused"), (16, "split")),
-    1536: ((4, "fused"), (16, "split")),
+    1536: ((16, "split"),),
     768: ((4, "fused"), (16, "split")),
 }
 
@@ -37,7 +39,9 @@ def tail_variant(batch: int, k: int) -> TailVariant:
 
 
 # TP → smallest B where the two-shot tail wins: "Tail variants" (virtual TP 8 and 16, B = 64),
-# 2026-11-29; it loses at TP 2 ("Mailbox all-reduce on a real TP2 mesh").
+# 2026-11-29, and one TP 8 rank at B = 64 ("Session 7"; the cost model's NVLink time favours
+# it from B = 32 too, unmeasured on a mesh); it loses at TP 2 ("Mailbox all-reduce on a real
+# TP2 mesh").
 TWO_SHOT_BATCHES = {8: 64, 16: 64}
 
 

@@ -96,14 +96,20 @@ def test_tail_takes_the_table_variant(b, tp):
 
 
 def test_table_is_one_table_of_known_variants():
+    """Each K's entries rise in B and name known variants; tail_variant gives an entry's
+    variant up to its bound and the next one's after it, XLA's dot past the last and at a K
+    the table does not list."""
     for k, entries in tuning.TAIL_VARIANTS.items():
         bounds = [b for b, _ in entries]
         assert bounds == sorted(bounds), k
         assert all(v in tuning.TAIL_VARIANT_NAMES for _, v in entries)
-    assert tuning.tail_variant(4, 6144) == "fused" and tuning.tail_variant(5, 6144) == "split"
-    assert tuning.tail_variant(4, 1536) == "fused" and tuning.tail_variant(16, 1536) == "split"
-    assert tuning.tail_variant(17, 1536) == "xla" and tuning.tail_variant(1, 12288) == "xla"
-    assert tuning.use_two_shot(64, 8) and not tuning.use_two_shot(63, 8)
+        nexts = [v for _, v in entries[1:]] + ["xla"]
+        for (bound, variant), after in zip(entries, nexts):
+            assert tuning.tail_variant(bound, k) == variant
+            assert tuning.tail_variant(bound + 1, k) == after
+    assert tuning.tail_variant(1, 12288) == "xla"
+    for tp, first in tuning.TWO_SHOT_BATCHES.items():
+        assert tuning.use_two_shot(first, tp) and not tuning.use_two_shot(first - 1, tp)
     assert not tuning.use_two_shot(64, 2)
 
 
