@@ -24,6 +24,7 @@ trap pack EXIT
 targets=",${1:-all},"
 wants() { [[ ($targets == *",all,"* && $1 != sanitize && $1 != profile) || $targets == *",$1,"* || ($1 == bench_* && $targets == *",bench,"*) ]]; }
 summary=()
+failed=0  # the exit status: 1 if any test run or benchmark failed
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $targets == *",aot,"* ]]; then
   # No DSL on the path: every kernel from build/ffi/libjax_kimik3_kernels.so.
@@ -59,7 +60,7 @@ fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 if wants tests; then
   python3 -m pytest -m gpu -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" --timeout=600 --maxfail=30 ${TESTS:-tests/} "${@:2}" \
-    > "$OUT/gpu_tests.log" 2>&1
+    > "$OUT/gpu_tests.log" 2>&1 || failed=1
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
 for bench in attn_res all_reduce layer rank; do
@@ -67,7 +68,8 @@ for bench in attn_res all_reduce layer rank; do
     args_var="BENCH_${bench^^}_ARGS"  # e.g. BENCH_LAYER_ARGS, else BENCH_ARGS
     python3 -m "benchmarks.bench_$bench" --out "$OUT" ${!args_var:-${BENCH_ARGS:-}} \
       > "$OUT/bench_$bench.log" 2>&1
-    summary+=("bench_$bench: exit $?")
+    status=$?; (( status )) && failed=1
+    summary+=("bench_$bench: exit $status")
     cp "$OUT"/bench_"$bench"*.md "$RESULTS"/ 2>/dev/null
     grep -h -A40 "^|" "$OUT"/bench_"$bench"*.md 2>/dev/null || tail -n 20 "$OUT/bench_$bench.log"
   fi
@@ -127,3 +129,4 @@ if wants profile; then
 fi
 grep -E "FAILED|Error" "$OUT/gpu_tests.log" 2>/dev/null | head -n 20
 printf '%s\n' "${summary[@]}" | tee "$RESULTS/summary.txt"
+exit $failed
