@@ -1,4 +1,4 @@
-"""A jitted decode step over Kimi K3 attention tails, at model sizes, on a TP mesh.
+"""A jitted decode step over Kimi K3 attention tails, at model sizes, on a TP or (DP, TP) mesh.
 
 The step is `jax_kimik3.decode`'s: per layer the pre-attention AttnRes, a stand-in for
 attention, the post-attention tail `oproj_attn_res` (o_proj + all-reduce + AttnRes) and a
@@ -9,6 +9,14 @@ its output with the reference step. `--check-every N` reads the mailbox's failur
 every N steps and stops with what it says (a peer that never came, in which call).
 
     python examples/decode_loop.py --layers 4 --batch 8 --steps 5
+    python examples/decode_loop.py --dp 2 --tp 4      # two TP groups, each its own mailbox
+
+One process per GPU (or per host), under jax.distributed: start every process with the
+coordinator's address, the process count and its own id (or leave all three out where
+jax.distributed.initialize() finds them itself, as under SLURM); the mesh is then every
+process's devices, and each TP group's mailbox spans the processes of its devices:
+
+    python examples/decode_loop.py --coordinator 10.0.0.1:5555 --processes 2 --process-id 0
 
 Ahead of time: `--export step.bin` writes the kernel step for CUDA (`jax.export`; this works
 on a CPU host too: the kernels compile for sm_90a there) and stops; `--load step.bin` runs
@@ -31,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
 from jax_kimik3.backend import KERNELS_ENV, kernel_mode
-from jax_kimik3.decode import init_params, make_step
+from jax_kimik3.decode import init_params, make_step, rows_spec, table_shape
 
 CFG = k3.KIMI_K3
 H, NB = CFG.hidden_size, CFG.num_attn_res_blocks
@@ -49,7 +57,16 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (1..93)")
     parser.add_argument("--batch", type=int, default=8, help="decode rows per rank (1..64)")
-    parser.add_argument("--tp", type=int, default=None, help="TP ranks (default: all devices)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="TP ranks per group (default: all devices over --dp)")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel groups: a ('dp', 'tp') mesh, --batch rows each")
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="jax.distributed: the coordinator's address (process 0's host)")
+    parser.add_argument("--processes", type=int, metavar="N", help="jax.distributed: processes")
+    parser.add_argument("--process-id", type=int, metavar="I", help="jax.distributed: this one")
+    parser.add_argument("--distributed", action="store_true",
+                        help="jax.distributed.initialize() from the environment (SLURM, ...)")
     parser.add_argument("--virtual-tp", type=int, default=None, metavar="TP",
                         help="every one of TP ranks on one device (virtual TP; for a GPU: "
                              "one mailbox buffer per rank, all on it)")
@@ -74,10 +91,17 @@ def export_step(path, mesh, params, embedding, blocks, num_layers, virtual_tp=No
     """Write the kernel step for CUDA to `path`, the peer table an operand."""
     from jax_kimik3 import export
 
-    ranks = virtual_tp or mesh.size
-    spec = k3.MailboxSpec(k3.MailboxLayout(ranks))
+    if virtual_tp:
+        spec = k3.MailboxSpec(k3.MailboxLayout(virtual_tp))
+        table = jax.ShapeDtypeStruct((virtual_tp + 1, 2), jnp.uint32,
+                                     sharding=NamedSharding(mesh, P()))
+    else:
+        tp = mesh.shape["tp"]
+        spec = k3.MailboxSpec(k3.MailboxLayout(tp), groups=mesh.size // tp)
+        shape = table_shape(mesh, tp)
+        table = jax.ShapeDtypeStruct(shape.shape, shape.dtype,
+                                     sharding=NamedSharding(mesh, P(*mesh.axis_names)))
     step = make_step(mesh, params, num_layers, "kernel", spec, virtual_tp=virtual_tp)
-    table = jax.ShapeDtypeStruct((ranks + 1, 2), jnp.uint32, sharding=NamedSharding(mesh, P()))
     exported = export.export(step, params, embedding, blocks, table)
     data = exported.serialize()
     with open(path, "wb") as f:
@@ -95,29 +119,67 @@ def report_mailbox(mailbox, step):
     except TimeoutError as e:
         raise SystemExit(f"mailbox failed by step {step}: {e}") from None
     calls = mailbox.calls()
+    if isinstance(calls, dict):  # a MeshMailbox: per group this process serves
+        calls = next(iter(calls.values()))
     print(f"mailbox after step {step}: healthy, {calls[0]} all-reduces per rank since armed")
+
+
+def local_sum(out) -> float:
+    """Sum of this process's part of `out` (each distinct shard once): no collective, so it
+    also works where XLA has none across processes (several processes on one GPU)."""
+    seen, total = set(), 0.0
+    for shard in out.addressable_shards:
+        key = tuple((s.start, s.stop) for s in shard.index)
+        if key not in seen:
+            seen.add(key)
+            total += float(np.asarray(shard.data, np.float32).sum())
+    return total
+
+
+def start_distributed(args):
+    """jax.distributed.initialize from the flags (or the environment); before any device use."""
+    given = [args.coordinator, args.processes, args.process_id]
+    if any(v is not None for v in given) and not all(v is not None for v in given):
+        raise ValueError("--coordinator, --processes and --process-id go together (or "
+                         "--distributed alone: jax.distributed reads the environment)")
+    if args.coordinator is not None:
+        jax.distributed.initialize(args.coordinator, num_processes=args.processes,
+                                   process_id=args.process_id)
+    elif args.distributed:
+        jax.distributed.initialize()
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.dp < 1:
+        raise ValueError(f"--dp={args.dp} must be >= 1")
     # Host devices for a CPU mesh (read when the CPU backend starts; GPUs ignore it).
-    jax.config.update("jax_num_cpu_devices", args.tp or 8)
+    jax.config.update("jax_num_cpu_devices", args.dp * args.tp if args.tp else 8)
+    start_distributed(args)
     if not 1 <= args.layers <= CFG.num_layers:
         raise ValueError(f"--layers={args.layers} must be in [1, {CFG.num_layers}]")
-    tp = args.tp or (1 if args.virtual_tp else len(jax.devices()))
-    if tp > len(jax.devices()):
-        raise ValueError(f"--tp={tp} exceeds the {len(jax.devices())} available devices")
-    if args.virtual_tp and tp != 1:
-        raise ValueError(f"--virtual-tp={args.virtual_tp} puts every rank on one device; "
-                         f"got --tp={tp}")
+    devices = jax.devices()  # every process's, under jax.distributed
+    tp = args.tp or (1 if args.virtual_tp else len(devices) // args.dp)
+    if args.dp * tp > len(devices) or tp < 1:
+        raise ValueError(f"--dp={args.dp} groups of --tp={tp} ranks need {args.dp * tp} "
+                         f"devices; {len(devices)} are available")
+    if args.virtual_tp and (tp != 1 or args.dp != 1 or jax.process_count() > 1):
+        raise ValueError(f"--virtual-tp={args.virtual_tp} puts every rank on one device of "
+                         f"one process; got --tp={tp}, --dp={args.dp}, "
+                         f"{jax.process_count()} processes")
     if args.virtual_tp:
         CFG.o_proj_local_features(args.virtual_tp)  # a ValueError unless TP divides K
-    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    mesh = (Mesh(np.array(devices[:args.dp * tp]).reshape(args.dp, tp), ("dp", "tp"))
+            if args.dp > 1 else Mesh(np.array(devices[:tp]), ("tp",)))
     key = jax.random.key(args.seed)
     params = init_params(key, mesh, args.layers, args.virtual_tp)
-    rows = jax.random.normal(jax.random.fold_in(key, 1), (args.steps + 1, args.batch, H))
-    embeddings = (0.05 * rows).astype(jnp.bfloat16)  # one fresh token row set per step
-    blocks = jnp.zeros((args.batch, NB, H), jnp.bfloat16)
+    rows = NamedSharding(mesh, rows_spec(mesh))
+    batch = args.dp * args.batch  # every group's rows
+    embedding = jax.jit(lambda k: (0.05 * jax.random.normal(k, (batch, H))).astype(
+        jnp.bfloat16), out_shardings=rows)
+    embeddings = [embedding(jax.random.fold_in(key, 1 + s))  # fresh token rows per step
+                  for s in range(args.steps + 1)]
+    blocks = jax.jit(lambda: jnp.zeros((batch, NB, H), jnp.bfloat16), out_shardings=rows)()
 
     if args.export:
         return export_step(args.export, mesh, params, embeddings[0], blocks, args.layers,
@@ -126,12 +188,13 @@ def main(argv=None):
     kernels = args.load or args.backend == "kernel" or (args.backend == "auto" and on_gpu)
     if kernels and not on_gpu:
         raise ValueError("kernel steps need GPUs (the mailbox lives in GPU memory)")
-    mailbox = None
-    if kernels:
-        mailbox = (k3.Mailbox.virtual(jax.devices()[0], args.virtual_tp) if args.virtual_tp
-                   else k3.Mailbox.for_devices(mesh.devices.flat))
-    table = None if mailbox is None else jax.device_put(mailbox.peer_table,
-                                                        NamedSharding(mesh, P()))
+    mailbox = table = None
+    if kernels and args.virtual_tp:
+        mailbox = k3.Mailbox.virtual(jax.devices()[0], args.virtual_tp)
+        table = jax.device_put(mailbox.peer_table, NamedSharding(mesh, P()))
+    elif kernels:  # one mailbox per TP group; each device's peer table its own block
+        mailbox = k3.MeshMailbox(mesh, "tp")
+        table = mailbox.table
     ready = process_seconds()  # imports, weights and mailbox in place
     if args.load:
         from jax_kimik3 import export
@@ -160,13 +223,17 @@ def main(argv=None):
         outs.append(out)
         if mailbox is not None and args.check_every and s % args.check_every == 0:
             report_mailbox(mailbox, s)
-    checksum = sum(float(jnp.sum(out.astype(jnp.float32))) for out in outs)
+    checksum = sum(local_sum(out) for out in outs)
     path = ("exported kernels" if args.load else "kernels") if kernels else "reference"
     ranks = f"TP {args.virtual_tp} (virtual)" if args.virtual_tp else f"TP {tp}"
+    if args.dp > 1:
+        ranks = f"DP {args.dp} x {ranks}"
+    if jax.process_count() > 1:
+        ranks += f", process {jax.process_index()} of {jax.process_count()}"
     print(f"decode step: {args.layers} layers, batch {args.batch}, {ranks} on "
           f"{jax.devices()[0].platform} ({path}): median {1e3 * np.median(times):.2f} ms over "
           f"{args.steps} steps")
-    print(f"checksum {checksum:.6e}")
+    print(f"checksum {checksum:.6e} (this process's rows)")
     if mailbox is not None:
         report_mailbox(mailbox, args.steps)
         if args.check:
@@ -175,7 +242,8 @@ def main(argv=None):
             rels = []
             for s, out in enumerate(outs, 1):  # every timed step: a race shows in any of them
                 want, _ = reference(params, embeddings[s], blocks, None)
-                got, want = (np.asarray(a, np.float32) for a in (out, want))
+                got, want = (np.concatenate([np.asarray(s.data, np.float32)
+                                             for s in a.addressable_shards]) for a in (out, want))
                 rels.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
             # Kernels and reference sum in other orders, so an AttnRes output element may land
             # one bf16 ulp (2**-8 relative) apart; each layer can add that much again.

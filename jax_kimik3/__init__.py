@@ -6,6 +6,7 @@ from jax_kimik3.config import KIMI_K3, CallSite, KimiK3Config, LayerPlan
 from jax_kimik3.layer import AttentionTail, AttnResWeights, final_attn_res
 from jax_kimik3.layout import DEFAULT_TIMEOUT_MS, MailboxLayout, MailboxSpec
 from jax_kimik3.mailbox import Mailbox
+from jax_kimik3.mesh_mailbox import MeshMailbox
 from jax_kimik3.statistics import AttnResStatistics
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "Mailbox",
     "MailboxLayout",
     "MailboxSpec",
+    "MeshMailbox",
     "all_reduce",
     "all_reduce_virtual",
     "attn_res",

@@ -30,8 +30,11 @@ def _kernels():
 
 
 def _table(mailbox, peer_table):
-    """The peer table operand: `peer_table`, or the live mailbox's own as a constant."""
-    return jnp.asarray(mailbox.peer_table) if peer_table is None else peer_table
+    """The peer table operand, uint32 [T + 1, 2]: `peer_table` (a device's block of a
+    MeshMailbox's table has leading axes of size 1), or the live mailbox's own as a constant."""
+    if peer_table is None:
+        return jnp.asarray(mailbox.peer_table)
+    return peer_table.reshape(mailbox.spec.tp + 1, 2)
 
 
 def attn_res(prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks, delta=None,
@@ -98,7 +101,9 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
     Call inside `shard_map`: x [B, K_local] and w [H, K_local] are this rank's shards.
     Returns (out, new_prefix, new_blocks); without `has_delta` the new prefix is the reduced
     attn_out (a new block starts) and `prefix` is not read. With a `mailbox` (a Mailbox of one
-    buffer per rank of `axis_name`, or its MailboxSpec with the live table as `peer_table`)
+    buffer per rank of `axis_name`; a MeshMailbox, one per group of `axis_name` in a larger
+    mesh or across processes, with this device's block of its `table` as `peer_table`; or a
+    MailboxSpec with the live table as `peer_table`)
     the all-reduce and AttnRes run as kernels (one launch or several, as
     `tuning.TAIL_VARIANTS` says for B, K), the mailbox's buffers alternating with its calls;
     without one, XLA's dot, psum and the reference. `ahead=(res_norm_w, res_proj_w)` of a

@@ -24,6 +24,7 @@ from jax_kimik3.layer import AttentionTail, AttnResWeights, final_attn_res
 
 H, K = KIMI_K3.hidden_size, KIMI_K3.o_proj_in_features
 AXIS = "tp"
+DATA_AXIS = "dp"  # a mesh ("dp", "tp"): each data-parallel group its own rows and TP mailbox
 
 
 def param_shapes(num_layers, virtual_tp=None):
@@ -77,10 +78,23 @@ def param_specs(params):
     return jax.tree.map(lambda a: P(None, AXIS) if a.shape == (H, K) else P(), params)
 
 
+def rows_spec(mesh):
+    """shard_map spec of the step's rows (embedding, blocks, output): split over DATA_AXIS
+    where the mesh has one, else whole on every device."""
+    return P(DATA_AXIS) if DATA_AXIS in mesh.axis_names else P()
+
+
+def table_shape(mesh, tp):
+    """The step's peer table operand on `mesh` (a MeshMailbox's `table`): one [tp + 1, 2]
+    block per device."""
+    return jax.ShapeDtypeStruct((*mesh.axis_sizes, tp + 1, 2), jnp.uint32)
+
+
 def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbox,
                 stats_ahead=False, virtual_tp=None):
     """One decode step through `num_layers` layers and the final AttnRes (inside shard_map
-    over AXIS); `mailbox` is a MailboxSpec (kernels) or None, `table` its peer table operand.
+    over AXIS and, where the mesh has it, DATA_AXIS); `mailbox` is a MailboxSpec (kernels) or
+    None, `table` its peer table operand (this device's block).
     With `stats_ahead`, layer i's post-attention tail also returns the statistics of the
     saved blocks for the next call site (layer i + 1's pre-attention, or the final AttnRes).
     With `virtual_tp` (a mesh of one device) the tail runs that many ranks on the device.
@@ -110,12 +124,16 @@ def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbo
 
 def make_step(mesh, params, num_layers, backend, mailbox, stats_ahead=False, virtual_tp=None):
     """The jitted step(params, embedding, blocks, table) -> (out, blocks) on `mesh` (a Mesh,
-    or an AbstractMesh to trace it; with `virtual_tp`, on its one device: no shard_map)."""
+    or an AbstractMesh to trace it; with `virtual_tp`, on its one device: no shard_map).
+    `table`: None for the reference, else of `table_shape(mesh, tp)` (a MeshMailbox's table;
+    in virtual TP the mailbox's own [tp + 1, 2])."""
     def step(p, e, b, t):
         return decode_step(p, e, b, t, num_layers=num_layers, backend=backend, mailbox=mailbox,
                            stats_ahead=stats_ahead, virtual_tp=virtual_tp)
 
     if virtual_tp:
         return jax.jit(step)
+    rows = rows_spec(mesh)
     return jax.jit(jax.shard_map(
-        step, mesh=mesh, in_specs=(param_specs(params), P(), P(), P()), out_specs=(P(), P())))
+        step, mesh=mesh, in_specs=(param_specs(params), rows, rows, P(*mesh.axis_names)),
+        out_specs=(rows, rows)))

@@ -18,6 +18,7 @@ from jax_kimik3.backend import BACKENDS, Backend
 from jax_kimik3.config import KIMI_K3, LayerPlan
 from jax_kimik3.layout import MailboxSpec
 from jax_kimik3.mailbox import Mailbox
+from jax_kimik3.mesh_mailbox import MeshMailbox
 
 
 class AttnResWeights(NamedTuple):
@@ -51,9 +52,9 @@ def _delta(site, delta):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionTail:
-    """Decoder layer `plan.index`'s tail. `mailbox` (a Mailbox, or a MailboxSpec with the peer
-    table passed at call time) runs the all-reduce through peer mailboxes on the kernels; None
-    runs XLA's psum. Hashable: pass it as a static argument."""
+    """Decoder layer `plan.index`'s tail. `mailbox` (a Mailbox; a MeshMailbox or a MailboxSpec,
+    each with the peer table passed at call time) runs the all-reduce through peer mailboxes
+    on the kernels; None runs XLA's psum. Hashable: pass it as a static argument."""
 
     plan: LayerPlan
     axis_name: str = "tp"
@@ -68,8 +69,10 @@ class AttentionTail:
             hash(self.axis_name)
         except TypeError:
             problems.append(f"axis_name={self.axis_name!r} must be hashable (a mesh axis name)")
-        if self.mailbox is not None and not isinstance(self.mailbox, (Mailbox, MailboxSpec)):
-            problems.append(f"mailbox={self.mailbox!r} must be a Mailbox, a MailboxSpec or None")
+        if self.mailbox is not None and not isinstance(self.mailbox,
+                                                       (Mailbox, MeshMailbox, MailboxSpec)):
+            problems.append(f"mailbox={self.mailbox!r} must be a Mailbox, a MeshMailbox, a "
+                            "MailboxSpec or None")
         if self.backend not in BACKENDS:
             problems.append(f"backend={self.backend!r} must be one of {BACKENDS}")
         if problems:

@@ -142,12 +142,15 @@ class MailboxSpec:
     """What a traced step needs to know of a mailbox, without its memory: the layout, whether
     it is multicast, and how long a wait may last. With it, the peer table travels as an
     operand (`peer_table=`), so a compiled or exported step is not tied to one process's
-    buffer addresses. `virtual`: every rank's buffer on one device (no mesh can use it)."""
+    buffer addresses. `virtual`: every rank's buffer on one device (no mesh can use it).
+    `groups`: how many TP groups of a mesh it serves, each with its own buffers and its own
+    peer table (a MeshMailbox: one group per index of the mesh's other axes)."""
 
     layout: MailboxLayout
     multicast: bool = False
     timeout_ms: float = DEFAULT_TIMEOUT_MS
     virtual: bool = False
+    groups: int = 1
 
     def __post_init__(self):
         if not isinstance(self.layout, MailboxLayout):
@@ -156,6 +159,10 @@ class MailboxSpec:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "timeout_ms", check_timeout_ms(self.timeout_ms))
+        check_int("groups", self.groups, 1)
+        if self.virtual and self.groups > 1:
+            raise ValueError(f"groups={self.groups}: a virtual mailbox (every rank on one "
+                             "device) serves one group")
 
     @property
     def tp(self) -> int:

@@ -27,6 +27,7 @@ import weakref
 
 import numpy as np
 
+from jax_kimik3 import handles
 from jax_kimik3.config import check_int
 from jax_kimik3.layout import (CONTROL, DEFAULT_TIMEOUT_MS, SENTINEL, WAITERS, MailboxLayout,
                                MailboxSpec, align, peer_table)
@@ -78,21 +79,24 @@ class Mailbox:
     """
 
     def __init__(self, ordinals, layout: MailboxLayout, *, multicast=False,
-                 timeout_ms=DEFAULT_TIMEOUT_MS):
+                 timeout_ms=DEFAULT_TIMEOUT_MS, group: handles.ProcessGroup | None = None):
         ordinals = tuple(ordinals)
-        for i, o in enumerate(ordinals):
-            check_int(f"ordinals[{i}]", o, 0)
+        owned = [r for r in range(len(ordinals)) if group is None or group.owns(r)]
+        for r in owned:
+            check_int(f"ordinals[{r}]", ordinals[r], 0)
         if len(ordinals) != layout.tp:
             raise ValueError(f"ordinals={ordinals} name {len(ordinals)} devices; the layout "
                              f"has tp={layout.tp} ranks")
-        self.spec = MailboxSpec(layout, multicast, timeout_ms,
-                                virtual=len(set(ordinals)) < len(ordinals))
+        local = [ordinals[r] for r in owned]
+        self.spec = MailboxSpec(layout, multicast, timeout_ms, virtual=len(set(local)) < len(owned))
         if multicast:
             refuse_multicast()
             if self.spec.virtual:
                 raise ValueError(f"multicast needs one device per rank; got ordinals={ordinals}")
-        self.ordinals = ordinals
-        self._buffers = []  # (address, size, handle)
+            if group is not None:
+                raise NotImplementedError("a multicast mailbox spans the devices of one process")
+        self.ordinals, self.owned, self.group = ordinals, tuple(owned), group
+        self._buffers = []  # (address, size, handle) of each rank, in rank order
         self._multicast = []  # (address, size, handle, ordinals) of the bound multicast object
         self._contexts = {}
         self._cu = cu = Driver()
@@ -101,13 +105,16 @@ class Mailbox:
         except RuntimeError as e:
             raise RuntimeError(f"Mailbox needs CUDA GPUs: {e}") from None
         count = cu("cuDeviceGetCount")
-        if any(o >= count for o in ordinals):
+        if any(o >= count for o in local):
             raise ValueError(f"ordinals={ordinals}: this host has {count} CUDA devices")
         try:
-            for o in sorted(set(ordinals)):
+            for o in sorted(set(local)):
                 self._contexts[o] = cu("cuDevicePrimaryCtxRetain", cu("cuDeviceGet", o))
-            for ordinal in ordinals:
-                self._buffers.append(self._allocate(ordinal))
+            if group is None:
+                for ordinal in ordinals:
+                    self._buffers.append(self._allocate(ordinal))
+            else:
+                self._buffers.extend(self._share(group))
             self.addresses = tuple(b[0] for b in self._buffers)
             if multicast:
                 self._multicast.append(self._bind_multicast())
@@ -144,6 +151,24 @@ class Mailbox:
         return cls([d.local_hardware_id for d in devices], MailboxLayout(len(devices)), **kwargs)
 
     @classmethod
+    def for_processes(cls, devices, *, name, **kwargs):
+        """One buffer on each JAX CUDA device of a TP group whose devices belong to several
+        processes (jax.distributed): each process allocates its own ranks' buffers and maps
+        the others' through exported handles (jax_kimik3/handles.py). Collective: every
+        process with a device in `devices` calls it, with the same `name` (unique per
+        mailbox: it names the exchange in the distributed key-value store)."""
+        devices = list(devices)
+        if len({d.id for d in devices}) != len(devices):
+            raise ValueError(f"devices={devices} name a device twice: one rank per device")
+        import jax
+
+        group = handles.ProcessGroup(name, jax.process_index(),
+                                     tuple(d.process_index for d in devices))
+        return cls([d.local_hardware_id if group.owns(r) else None
+                    for r, d in enumerate(devices)], MailboxLayout(len(devices)), group=group,
+                   **kwargs)
+
+    @classmethod
     def virtual(cls, device, tp, **kwargs):
         """All `tp` ranks' buffers on one JAX CUDA device: "virtual TP"."""
         if getattr(device, "platform", None) != "gpu":
@@ -178,7 +203,7 @@ class Mailbox:
     def _access(self):
         """Read-write access descriptors for every device of the mailbox."""
         cu, access = self._cu.cu, []
-        for peer in sorted(set(self.ordinals)):
+        for peer in sorted(self._contexts):
             desc = cu.CUmemAccessDesc()
             desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             desc.location.id = peer
@@ -228,13 +253,17 @@ class Mailbox:
             self._cu.cu.cuMemRelease(handle)
             raise
 
-    def _allocate(self, ordinal):
+    def _allocate(self, ordinal, kind=None):
+        """A buffer on device `ordinal`, mapped here: (address, size, handle); `kind` (a
+        handles kind) makes it exportable."""
         cu = self._cu
         raw = cu.cu
         prop = raw.CUmemAllocationProp()
         prop.type = raw.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = raw.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = ordinal
+        if kind is not None:
+            prop.requestedHandleTypes = self._handle_type(kind)
         granularity = cu("cuMemGetAllocationGranularity", prop,
                          raw.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
         if self.multicast:  # buffers bound to a multicast object: its granularity too
@@ -248,6 +277,63 @@ class Mailbox:
         except BaseException:
             raw.cuMemRelease(handle)
             raise
+
+    def _handle_type(self, kind):
+        types = self._cu.cu.CUmemAllocationHandleType
+        return {handles.POSIX_FD: types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                handles.FABRIC: types.CU_MEM_HANDLE_TYPE_FABRIC}[kind]
+
+    def _supported(self):
+        """The handle kinds every local device of the mailbox can export."""
+        attribute = self._cu.cu.CUdevice_attribute
+        probes = {
+            handles.POSIX_FD:
+                attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            handles.FABRIC: attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED}
+        return frozenset(kind for kind, probe in probes.items() if all(
+            self._cu("cuDeviceGetAttribute", probe, self._cu("cuDeviceGet", o))
+            for o in self._contexts))
+
+    def _share(self, group):
+        """Every rank's buffer, mapped here: this process's ranks allocated, exported and
+        sent to the group's other processes; theirs received, imported and mapped."""
+        cu, raw = self._cu, self._cu.cu
+        kind = handles.agree_kind(group, self._supported(), self.layout.nbytes)
+        buffers = {}  # rank → (address, size, handle): what to free on a failure
+        try:
+            for r in self.owned:
+                buffers[r] = self._allocate(self.ordinals[r], kind)
+            own = dict(buffers)
+            exported = {r: cu("cuMemExportToShareableHandle", handle, self._handle_type(kind), 0)
+                        for r, (_, _, handle) in own.items()}
+            try:
+                received = handles.share(group, {
+                    r: h if kind == handles.POSIX_FD else bytes(h.data)
+                    for r, h in exported.items()}, kind)
+            finally:
+                if kind == handles.POSIX_FD:
+                    for fd in exported.values():
+                        os.close(fd)
+            size = next(iter(own.values()))[1]
+            try:
+                for r, shared in sorted(received.items()):
+                    if kind == handles.FABRIC:
+                        shared = raw.CUmemFabricHandle()
+                        shared.data = received[r]
+                    handle = cu("cuMemImportFromShareableHandle", shared, self._handle_type(kind))
+                    try:
+                        buffers[r] = self._map(handle, size), size, handle
+                    except BaseException:
+                        raw.cuMemRelease(handle)
+                        raise
+            finally:  # an imported handle holds the memory; the descriptors are done with
+                if kind == handles.POSIX_FD:
+                    for fd in received.values():
+                        os.close(fd)
+        except BaseException:
+            Mailbox._free(cu, list(buffers.values()), [])
+            raise
+        return [buffers[r] for r in range(self.tp)]
 
     def _synchronize(self):
         """Wait until every device of the mailbox is idle (every stream of its context)."""
@@ -265,11 +351,16 @@ class Mailbox:
         failure is cleared; rows a late peer left behind are wiped, never read."""
         self._require_open("Mailbox.arm")
         self._synchronize()  # no kernel may still use the slots
-        for (address, _, _), ordinal in zip(self._buffers, self.ordinals):
-            self._cu("cuCtxSetCurrent", self._contexts[ordinal])
+        if self.group is not None:  # nor any of the other processes' kernels
+            handles.barrier(self.group, "arm")
+        for r in self.owned:
+            address = self._buffers[r][0]
+            self._cu("cuCtxSetCurrent", self._contexts[self.ordinals[r]])
             self._cu("cuMemsetD32", address, SENTINEL, self.layout.armed_bytes // 4)
             self._cu("cuMemsetD32", address + self.layout.control, 0, CONTROL.WORDS)
         self._synchronize()
+        if self.group is not None:  # no process publishes before every rank is armed
+            handles.barrier(self.group, "armed")
 
     def read(self, rank, offset, nbytes, dtype=np.uint32) -> np.ndarray:
         """A host copy of `nbytes` of rank `rank`'s buffer from byte `offset` (for checks);

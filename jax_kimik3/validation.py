@@ -14,6 +14,7 @@ from jax_kimik3 import backend as backends
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.layout import MailboxSpec
 from jax_kimik3.mailbox import Mailbox
+from jax_kimik3.mesh_mailbox import MeshMailbox
 from jax_kimik3.statistics import AttnResStatistics
 
 CAPACITY = KIMI_K3.mailbox_capacity
@@ -196,26 +197,34 @@ def check_axis(check, axis_name):
 
 def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
                   virtual=False):
-    """A live Mailbox or a MailboxSpec (with `peer_table`, uint32 [T + 1, 2]) that fits the
-    call: under shard_map one rank per device of `axis_name` and no other mesh axis; in
-    virtual TP (`virtual`) every rank's buffer on the one device. Returns its spec or None."""
-    if not isinstance(mailbox, (Mailbox, MailboxSpec)):
-        check.fail(f"mailbox={_short(mailbox)} must be a Mailbox, a MailboxSpec or None")
+    """A live Mailbox, a MeshMailbox or a MailboxSpec that fits the call: under shard_map one
+    rank per device of `axis_name`, and as many groups as the mesh's other axes make; in
+    virtual TP (`virtual`) every rank's buffer on the one device. `peer_table` (uint32
+    [T + 1, 2], or a device's block [1, ..., 1, T + 1, 2] of MeshMailbox.table) is required
+    but for a live Mailbox, whose own table is then a constant. Returns its spec or None."""
+    if not isinstance(mailbox, (Mailbox, MeshMailbox, MailboxSpec)):
+        check.fail(f"mailbox={_short(mailbox)} must be a Mailbox, a MeshMailbox, a MailboxSpec "
+                   "or None")
         return None
     spec = mailbox.spec
-    if isinstance(mailbox, Mailbox) and mailbox.closed:
+    if isinstance(mailbox, (Mailbox, MeshMailbox)) and mailbox.closed:
         check.fail(f"mailbox={mailbox!r} is closed")
     if peer_table is not None:
-        check.array("peer_table", peer_table, (spec.tp + 1, 2), jnp.uint32)
+        lead = max(len(getattr(peer_table, "shape", ())) - 2, 0)
+        check.array("peer_table", peer_table, (1,) * lead + (spec.tp + 1, 2), jnp.uint32)
+    elif isinstance(mailbox, MeshMailbox):
+        check.fail(f"mailbox={mailbox!r} has a peer table per device: pass peer_table= (its "
+                   "`table`, given to shard_map with in_specs `table_spec`)")
     elif not isinstance(mailbox, Mailbox):
         check.fail(f"mailbox={mailbox!r} has no memory: pass its peer_table= (uint32 "
                    f"[{spec.tp + 1}, 2], Mailbox.peer_table of the live mailbox)")
     if CONCURRENT_COMMANDS in os.environ.get("XLA_FLAGS", ""):
         check.fail(f"XLA_FLAGS has {CONCURRENT_COMMANDS}: XLA could then run two mailbox "
                    "calls at once, and a mailbox's calls must follow one another")
-    if jax.process_count() > 1:
-        check.fail(f"this program runs on {jax.process_count()} processes: a mailbox spans "
-                   "the devices of one process (multi-process mailboxes are not supported yet)")
+    if jax.process_count() > 1 and isinstance(mailbox, Mailbox):
+        check.fail(f"this program runs on {jax.process_count()} processes, and mailbox="
+                   f"{mailbox!r} would bake this process's buffer addresses into it: use a "
+                   "MeshMailbox, whose per-device peer table is an operand")
     if virtual:
         if not spec.virtual and spec.tp > 1:
             check.fail(f"mailbox={mailbox!r} has its {spec.tp} ranks on different devices; "
@@ -225,16 +234,22 @@ def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
         return spec
     if spec.virtual:
         check.fail(f"mailbox={mailbox!r} is virtual (every rank's buffer on one device) and "
-                   f"cannot serve mesh axis {axis_name!r}: use Mailbox.for_devices(the axis's "
-                   "devices), or the *_virtual calls")
+                   f"cannot serve mesh axis {axis_name!r}: use MeshMailbox(mesh, axis_name) "
+                   "or the *_virtual calls")
     if axis_size != spec.tp:
         check.fail(f"axis {axis_name!r} has {axis_size} ranks; the mailbox has tp={spec.tp}")
     mesh = jax.sharding.get_abstract_mesh()
     others = {n: s for n, s in zip(mesh.axis_names, mesh.axis_sizes) if n != axis_name and s > 1}
-    if others:
-        check.fail(f"the mesh has other axes {others} beside {axis_name!r}: each of their "
-                   f"groups of {axis_size} ranks would share the one mailbox's buffers (a "
-                   "mailbox serves one TP group)")
+    groups = math.prod(others.values())
+    if groups != spec.groups:
+        if spec.groups == 1:
+            check.fail(f"the mesh has other axes {others} beside {axis_name!r}: each of their "
+                       f"{groups} groups of {axis_size} ranks would share the one mailbox's "
+                       "buffers (a Mailbox serves one TP group): use MeshMailbox(mesh, "
+                       f"{axis_name!r}), one mailbox per group")
+        else:
+            check.fail(f"the mesh's other axes {others} make {groups} groups of "
+                       f"{axis_name!r}; the mailbox serves groups={spec.groups}")
     if isinstance(mailbox, Mailbox):
         _check_device_order(check, mailbox, axis_name)
     return spec

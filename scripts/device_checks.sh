@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the project, in one call on a device machine:
 #   device run (carry [".device"]):  bash scripts/device_checks.sh [TARGETS] [pytest args]
-# TARGETS: comma-separated, of tests, bench (every benchmark), bench_<name>, decode, startup,
+# TARGETS: comma-separated, of tests, processes (TP groups of several processes: the
+# multi-process tests, then decode_loop under jax.distributed), bench (every benchmark),
+# bench_<name>, decode, startup,
 # profile (Nsight Compute over the sanitizer workload, $PROFILE_ARGS),
 # sanitize (compute-sanitizer's memcheck, synccheck, racecheck and initcheck over every kernel
 # family: scripts/sanitize_kernels.py); all (the default) is every one but sanitize and
@@ -59,9 +61,30 @@ if [[ ! -f /tmp/site/.unpacked ]]; then
 fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 if wants tests; then
-  python3 -m pytest -m gpu -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" --timeout=600 --maxfail=30 ${TESTS:-tests/} "${@:2}" \
+  # The multi-process tests start their own GPU processes: the target processes runs them alone.
+  python3 -m pytest -m gpu -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" --timeout=600 --maxfail=30 \
+    --ignore=tests/test_gpu_processes.py ${TESTS:-tests/} "${@:2}" \
     > "$OUT/gpu_tests.log" 2>&1 || failed=1
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
+fi
+if wants processes; then
+  python3 -m pytest -m gpu -v -p no:cacheprovider --timeout=900 tests/test_gpu_processes.py \
+    > "$OUT/gpu_processes.log" 2>&1 || failed=1
+  summary+=("gpu processes tests: $(tail -n 1 "$OUT/gpu_processes.log")")
+  # decode_loop as two processes of one TP group under jax.distributed, both on GPU 0 when
+  # there is one GPU (no --check: the reference's psum needs NCCL, which refuses one GPU twice).
+  port=$((20000 + RANDOM % 20000)) gpus=$(nvidia-smi -L | grep -c '^GPU ')
+  for i in 0 1; do
+    CUDA_VISIBLE_DEVICES=$(( gpus > 1 ? i : 0 )) python3 examples/decode_loop.py --layers 13 \
+      --batch 8 --steps 20 --coordinator "127.0.0.1:$port" --processes 2 --process-id $i \
+      > "$OUT/decode_loop_process$i.log" 2>&1 &
+  done
+  wait
+  for i in 0 1; do
+    summary+=("decode_loop process $i of 2: $(grep -h -E 'decode step|checksum|mailbox after step 20' "$OUT/decode_loop_process$i.log" | tr '\n' ' ')")
+  done
+  sums=$(grep -h checksum "$OUT"/decode_loop_process[01].log | sort -u | wc -l)
+  [[ $sums == 1 ]] || { failed=1; summary+=("decode_loop processes: the two ranks' checksums differ or are missing"); }
 fi
 for bench in attn_res all_reduce layer rank; do
   if wants "bench_$bench"; then

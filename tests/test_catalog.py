@@ -49,7 +49,7 @@ def test_decode_steps_call_only_catalog_kernels(catalog_calls, tp):
                                     k3.MailboxSpec(k3.MailboxLayout(tp)), stats_ahead)
             for b in BATCHES:
                 step.trace(params, s((b, H), jnp.bfloat16), s((b, NB, H), jnp.bfloat16),
-                           s((tp + 1, 2), jnp.uint32))
+                           s((tp, tp + 1, 2), jnp.uint32))
     assert made and made <= set(catalog_calls), sorted(made - set(catalog_calls))
 
 

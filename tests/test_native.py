@@ -116,7 +116,7 @@ def test_aot_decode_step_lowers_to_the_library(built, stats_ahead):
         targets, dots = {{}}, {{}}
         for b in (4, 12, 33):
             text = step.trace(params, s((b, {H}), jnp.bfloat16), s((b, {NB}, {H}), jnp.bfloat16),
-                              s((3, 2), jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
+                              s((2, 3, 2), jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
             targets[b] = re.findall(r"custom_call @(\\w+)", text)
             dots[b] = text.count("dot_general")
         print(json.dumps(dict(targets=targets, dots=dots, dsl="cutlass" in sys.modules)))

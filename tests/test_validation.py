@@ -188,7 +188,7 @@ TAIL_CASES = [
      r"axis_name='model' is not bound: call inside shard_map"),
     ("unhashable axis", dict(axis_name=["tp"]),
      r"axis_name=\['tp'\] is a static argument and must be hashable"),
-    ("mailbox type", dict(mailbox="box"), r"mailbox='box' must be a Mailbox, a MailboxSpec or None"),
+    ("mailbox type", dict(mailbox="box"), r"mailbox='box' must be a Mailbox, a MeshMailbox, a MailboxSpec or None"),
     ("unhashable mailbox", dict(mailbox={}), r"mailbox=\{\} is a static argument and must be hashable"),
     ("kernel without mailbox", dict(backend="kernel"),
      r"backend='kernel' needs mailbox= \(the all-reduce's peer buffers\)"),
@@ -240,6 +240,8 @@ TABLE = functools.partial(spec, dtype=jnp.uint32)
     (2, mailbox_spec(2), TABLE((2, 2)), r"peer_table has shape=\(2, 2\) dtype=uint32; "
                                         r"expected shape=\(3, 2\) dtype=uint32"),
     (2, mailbox_spec(2), spec((3, 2), jnp.int32), r"peer_table has .* dtype=int32"),
+    (2, mailbox_spec(2), TABLE((2, 3, 2)), r"peer_table has shape=\(2, 3, 2\) dtype=uint32; "
+                                           r"expected shape=\(1, 3, 2\)"),
 ])
 def test_tail_rejects_mailbox(tp, mailbox, table, pattern):
     with pytest.raises(ValueError, match=r"^oproj_attn_res: .*" + pattern):
@@ -249,9 +251,17 @@ def test_tail_rejects_mailbox(tp, mailbox, table, pattern):
 def test_mailbox_serves_one_tp_group():
     """A ("dp", "tp") mesh: each dp group would share the one TP mailbox's buffers."""
     with pytest.raises(ValueError, match=r"the mesh has other axes \{'dp': 2\} beside 'tp': "
-                                         r"each of their groups of 2 ranks would share"):
+                                         r"each of their 2 groups of 2 ranks would share .* "
+                                         r"use MeshMailbox\(mesh, 'tp'\)"):
         kimi_tail_trace(4, 6144, mailbox_spec(2), TABLE((3, 2)), shape=(2, 2),
                         axes=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"the mesh's other axes \{'dp': 2\} make 2 groups of "
+                                         r"'tp'; the mailbox serves groups=3"):
+        kimi_tail_trace(4, 6144, mailbox_spec(2, groups=3), TABLE((3, 2)), shape=(2, 2),
+                        axes=("dp", "tp"))
+    # One group per dp index, each device its own table block: traces.
+    kimi_tail_trace(4, 6144, mailbox_spec(2, groups=2), TABLE((1, 1, 3, 2)), shape=(2, 2),
+                    axes=("dp", "tp"))
 
 
 def test_concurrent_command_buffers_refused(monkeypatch):
@@ -280,7 +290,7 @@ def test_backend_kernel_needs_kimi_h():
     (lambda: k3.AttentionTail(k3.KIMI_K3.layer(0), axis_name=["tp"]),
      r"axis_name=\['tp'\] must be hashable"),
     (lambda: k3.AttentionTail(k3.KIMI_K3.layer(0), mailbox=object()),
-     r"mailbox=<object .* must be a Mailbox, a MailboxSpec or None"),
+     r"mailbox=<object .* must be a Mailbox, a MeshMailbox, a MailboxSpec or None"),
     (lambda: k3.AttentionTail(k3.KIMI_K3.layer(0), backend="xla"),
      r"backend='xla' must be one of"),
 ])
@@ -319,7 +329,7 @@ def reduce_trace(f, rows, tp=2):
                                        r"\[B, H\] bfloat16"),
     (spec((4, 1024)), {}, r"rows has H=1024; the mailbox's rows have hidden=7168"),
     (spec((4, 7168)), dict(axis_name="dp"), r"axis_name='dp' is not bound"),
-    (spec((4, 7168)), dict(mailbox=None), r"mailbox=None must be a Mailbox, a MailboxSpec"),
+    (spec((4, 7168)), dict(mailbox=None), r"mailbox=None must be a Mailbox, a MeshMailbox, a MailboxSpec"),
 ])
 def test_all_reduce_rejects(rows, static, pattern):
     kw = dict(dict(axis_name="tp", mailbox=mailbox_spec(2)), **static)

@@ -110,7 +110,7 @@ def decode_calls(tps=TP_VALUES, num_layers=KIMI_K3.num_layers) -> Iterator[Entry
                     f"TP{tp} decode step, {num_layers} layers, B={first}..{last} "
                     f"({choice}), stats ahead={ahead}", _step(tp, num_layers, ahead),
                     (decode.param_shapes(num_layers), _shape(b, H), _shape(b, NB, H),
-                     _shape(tp + 1, 2, dtype=jnp.uint32)))))
+                     _shape(tp, tp + 1, 2, dtype=jnp.uint32)))))
     yield from (entry for _, entry in sorted(steps, key=lambda s: s[0]))  # symbolic first
     b = jax.export.symbolic_shape("b", constraints=(f"b <= {KIMI_K3.mailbox_capacity}",))[0]
     rows = (_shape(b, H), _shape(b, NB, H)) + (_shape(H),) * 3 + (_shape(b, H),)

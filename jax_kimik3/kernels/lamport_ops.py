@@ -14,8 +14,9 @@ from jax_kimik3.layout import MailboxSpec
 
 def kernel_spec(spec: MailboxSpec) -> MailboxSpec:
     """What the kernels compile from a mailbox spec: layout, multicast and the timeout (not
-    whether its buffers share a device, which they do not see)."""
-    return dataclasses.replace(spec.spec, virtual=False)
+    whether its buffers share a device, nor how many groups it serves: a kernel sees one
+    group's peer table)."""
+    return dataclasses.replace(spec.spec, virtual=False, groups=1)
 
 
 ALL_REDUCE = Signature(inputs=("rows", "table", "ranks"), outputs=("out",))  # lamport.AllReduce
