@@ -153,8 +153,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.dp < 1:
         raise ValueError(f"--dp={args.dp} must be >= 1")
-    # Host devices for a CPU mesh (read when the CPU backend starts; GPUs ignore it).
-    jax.config.update("jax_num_cpu_devices", args.dp * args.tp if args.tp else 8)
+    # Host devices for a CPU mesh, this process's share of it (read when the CPU backend
+    # starts; GPUs ignore it).
+    jax.config.update("jax_num_cpu_devices",
+                      args.dp * args.tp // (args.processes or 1) if args.tp else 8)
     start_distributed(args)
     if not 1 <= args.layers <= CFG.num_layers:
         raise ValueError(f"--layers={args.layers} must be in [1, {CFG.num_layers}]")
@@ -171,6 +173,9 @@ def main(argv=None):
         CFG.o_proj_local_features(args.virtual_tp)  # a ValueError unless TP divides K
     mesh = (Mesh(np.array(devices[:args.dp * tp]).reshape(args.dp, tp), ("dp", "tp"))
             if args.dp > 1 else Mesh(np.array(devices[:tp]), ("tp",)))
+    if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
+        raise ValueError(f"the mesh {dict(mesh.shape)} (the first {mesh.size} of "
+                         f"{len(devices)} devices) has none of process {jax.process_index()}")
     key = jax.random.key(args.seed)
     params = init_params(key, mesh, args.layers, args.virtual_tp)
     rows = NamedSharding(mesh, rows_spec(mesh))

@@ -8,7 +8,12 @@ the same module), rounded up to the allocation granularity; `arm()` writes SENTI
 every bf16 region and zeroes the control words. Which of the two buffers a call uses is
 `calls % 2`, from the rank's own call counter in device memory, which the last kernel of every
 all-reduce advances: the buffers alternate with the sequence of calls, whatever the layer.
-Kernels find the buffers through the peer table (`peer_table`), an ordinary JAX input. "Virtual TP" puts all T buffers on one device, so one GPU runs the protocol.
+Kernels find the buffers through the peer table (`peer_table`), an ordinary JAX input.
+"Virtual TP" puts all T buffers on one device, so one GPU runs the protocol. A group whose
+devices belong to several processes (`for_processes`) allocates each buffer in its owner
+process with an exportable handle type and maps the others' from their exported handles
+(jax_kimik3/handles.py carries them); each process's table holds its own mappings.
+jax_kimik3/mesh_mailbox.py makes one mailbox per TP group of a larger mesh.
 docs/protocol.md has the protocol: arming, one-shot, two-shot, fused, why two buffers are
 safe, the memory model of every store and poll, timeouts and recovery.
 
@@ -70,9 +75,11 @@ def _show(arg):
 
 
 class Mailbox:
-    """One sentinel-armed buffer per TP rank; create with `for_devices` or `virtual`, then close.
+    """One sentinel-armed buffer per TP rank; create with `for_devices`, `for_processes` or
+    `virtual`, then close.
 
-    `ordinals`: the CUDA device of each rank's buffer (rank r on ordinals[r]); `timeout_ms`:
+    `ordinals`: the CUDA device of each rank's buffer (rank r on ordinals[r]; None for a rank
+    of another process of `group`, a handles.ProcessGroup); `timeout_ms`:
     how long a kernel's wait for a peer may last before it gives up (writes NaN, marks the
     mailbox failed; `check()` raises it). Also a context manager; buffers still open at
     interpreter exit are freed then.
@@ -145,9 +152,10 @@ class Mailbox:
 
         foreign = [d for d in devices if d.process_index != jax.process_index()]
         if foreign:
-            raise NotImplementedError(
-                f"devices {foreign} belong to other processes: a mailbox spans the devices of "
-                "one process (multi-process mailboxes are not supported yet)")
+            raise ValueError(
+                f"devices {foreign} belong to other processes: Mailbox.for_devices spans the "
+                "devices of this process; Mailbox.for_processes (or MeshMailbox) shares a "
+                "group's buffers between processes")
         return cls([d.local_hardware_id for d in devices], MailboxLayout(len(devices)), **kwargs)
 
     @classmethod

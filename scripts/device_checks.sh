@@ -68,7 +68,7 @@ if wants tests; then
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
 if wants processes; then
-  python3 -m pytest -m gpu -v -p no:cacheprovider --timeout=900 tests/test_gpu_processes.py \
+  python3 -m pytest -m gpu -v -rP -p no:cacheprovider --timeout=900 tests/test_gpu_processes.py \
     > "$OUT/gpu_processes.log" 2>&1 || failed=1
   summary+=("gpu processes tests: $(tail -n 1 "$OUT/gpu_processes.log")")
   # decode_loop as two processes of one TP group under jax.distributed, both on GPU 0 when

@@ -134,6 +134,19 @@ def run_tail(mesh, mailbox, rng, report):
             report.setdefault("tail", {})[key(call, idx)] = digest(got_out) + digest(got_prefix)
 
 
+def live_mailbox_refused(mesh, mailbox) -> bool:
+    """A group's live Mailbox (its table a constant of this process's addresses) is refused
+    under several processes, at trace time, with what to use instead."""
+    group = next(iter(mailbox.mailboxes.values()))
+    f = jax.shard_map(lambda rows: k3.all_reduce(rows, group, axis_name="tp"), mesh=mesh,
+                      in_specs=P(*mesh.axis_names), out_specs=P(*mesh.axis_names))
+    try:
+        jax.jit(f).trace(jax.ShapeDtypeStruct((mesh.size * BATCH, H), jnp.bfloat16))
+    except ValueError as e:
+        return "use a MeshMailbox" in str(e)
+    return False
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--coordinator", required=True)
@@ -154,6 +167,7 @@ def main():
     mailbox = k3.MeshMailbox(mesh, "tp", timeout_ms=args.timeout_ms)
     report["groups"] = sorted(mailbox.mailboxes)
     if args.scenario == "mesh":
+        report["live_mailbox_refused"] = live_mailbox_refused(mesh, mailbox)
         run_all_reduce(mesh, mailbox, rng, report)
         run_tail(mesh, mailbox, rng, report)
         mailbox.check()

@@ -3,6 +3,7 @@
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 
@@ -10,20 +11,63 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-@pytest.mark.parametrize("ranks", [["--tp", "4"], ["--virtual-tp", "4", "--stats-ahead"]],
-                         ids=["mesh", "virtual"])
-def test_decode_loop_runs(ranks):
+def _env():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.pop("XLA_FLAGS", None)  # the example asks for its own host devices
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "decode_loop.py"), "--layers", "2", "--batch",
-         "2", *ranks, "--steps", "1"], env=env, capture_output=True, text=True, timeout=600)
+    return env
+
+
+def _decode_loop(*flags):
+    return [sys.executable, str(ROOT / "examples" / "decode_loop.py"), "--layers", "2",
+            "--batch", "2", "--steps", "1", *flags]
+
+
+def _checksum(stdout):
+    return float(re.search(r"checksum (\S+)", stdout).group(1))
+
+
+@pytest.mark.parametrize("ranks", [["--tp", "4"], ["--virtual-tp", "4", "--stats-ahead"],
+                                   ["--dp", "2", "--tp", "4"]],
+                         ids=["mesh", "virtual", "dp_tp"])
+def test_decode_loop_runs(ranks):
+    result = subprocess.run(_decode_loop(*ranks), env=_env(), capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert re.search(r"decode step: 2 layers, batch 2, TP 4 (\(virtual\) )?on cpu \(reference\)",
-                     result.stdout)
-    checksum = float(re.search(r"checksum (\S+)", result.stdout).group(1))
+    assert re.search(r"decode step: 2 layers, batch 2, (DP 2 x )?TP 4 (\(virtual\) )?on cpu "
+                     r"\(reference\)", result.stdout)
+    checksum = _checksum(result.stdout)
     assert checksum == checksum and abs(checksum) < 1e6  # finite and of a sane size
+
+
+def test_decode_loop_under_jax_distributed():
+    """Two processes (jax.distributed, four host devices each) run the ("dp", "tp") = (2, 4)
+    step, one TP group each: their rows' checksums add up to the one-process run's."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    mesh = ["--dp", "2", "--tp", "4"]
+    procs = [subprocess.Popen(_decode_loop(*mesh, "--coordinator", address, "--processes", "2",
+                                           "--process-id", str(i)),
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    try:
+        done = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, done):
+        assert p.returncode == 0, err[-2000:]
+    for i, (out, _) in enumerate(done):
+        assert f"DP 2 x TP 4, process {i} of 2 on cpu (reference)" in out, out
+    one = subprocess.run(_decode_loop(*mesh), env=_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    parts = [_checksum(out) for out, _ in done]
+    assert all(parts)  # each process has rows of its own
+    # Printed to 7 digits; each part's rounding is at most 5e-7 relative.
+    assert abs(sum(parts) - _checksum(one.stdout)) <= 1e-6 * sum(abs(p) for p in parts)
 
 
 @pytest.mark.parametrize("bench", ["bench_attn_res", "bench_all_reduce", "bench_layer",

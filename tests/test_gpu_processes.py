@@ -84,7 +84,7 @@ def test_processes_share_a_mailbox(n, dp):
     for report in reports:
         # Each group's ranks did 4 all-reduces (2 alone, 2 inside the tail), then arm().
         assert all(c == [4, 4] for c in report["calls"].values()), report["calls"]
-        assert report["unarmed"] == 0
+        assert report["unarmed"] == 0 and report["live_mailbox_refused"]
         assert all(c == [0, 0] for c in report["calls_after_arm"].values())
 
 
@@ -95,6 +95,7 @@ def test_killed_peer_process_is_a_loud_timeout():
     results = run_processes(2, "--scenario", "killed", "--timeout-ms", "3000",
                             one_gpu=gpu_count() < 2)
     (rc0, survivor, err0), (rc1, killed, _) = results
+    print(json.dumps(survivor))  # for the record (pytest -rP shows it)
     assert rc0 == 0 and survivor is not None, err0
     assert rc1 == -9 and killed["killed"] and killed["first_ok"]
     assert survivor["first_ok"] and survivor["second_all_nan"], survivor
