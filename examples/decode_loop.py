@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 import jax_kimik3 as k3
 from jax_kimik3.backend import KERNELS_ENV, kernel_mode
 from jax_kimik3.decode import init_params, make_step, rows_spec, table_shape
+from jax_kimik3.mesh_mailbox import table_spec
 
 CFG = k3.KIMI_K3
 H, NB = CFG.hidden_size, CFG.num_attn_res_blocks
@@ -100,7 +101,7 @@ def export_step(path, mesh, params, embedding, blocks, num_layers, virtual_tp=No
         spec = k3.MailboxSpec(k3.MailboxLayout(tp), groups=mesh.size // tp)
         shape = table_shape(mesh, tp)
         table = jax.ShapeDtypeStruct(shape.shape, shape.dtype,
-                                     sharding=NamedSharding(mesh, P(*mesh.axis_names)))
+                                     sharding=NamedSharding(mesh, table_spec(mesh)))
     step = make_step(mesh, params, num_layers, "kernel", spec, virtual_tp=virtual_tp)
     exported = export.export(step, params, embedding, blocks, table)
     data = exported.serialize()
@@ -136,8 +137,9 @@ def local_sum(out) -> float:
     return total
 
 
-def start_distributed(args):
-    """jax.distributed.initialize from the flags (or the environment); before any device use."""
+def start_distributed(args) -> int:
+    """jax.distributed.initialize from the flags (or the environment), before any device use;
+    the number of processes."""
     given = [args.coordinator, args.processes, args.process_id]
     if any(v is not None for v in given) and not all(v is not None for v in given):
         raise ValueError("--coordinator, --processes and --process-id go together (or "
@@ -147,17 +149,24 @@ def start_distributed(args):
                                    process_id=args.process_id)
     elif args.distributed:
         jax.distributed.initialize()
+    else:
+        return 1
+    from jax._src import distributed  # the count, before a backend starts (jax.process_count)
+
+    return distributed.global_state.num_processes
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.dp < 1:
         raise ValueError(f"--dp={args.dp} must be >= 1")
+    processes = start_distributed(args)
     # Host devices for a CPU mesh, this process's share of it (read when the CPU backend
-    # starts; GPUs ignore it).
-    jax.config.update("jax_num_cpu_devices",
-                      args.dp * args.tp // (args.processes or 1) if args.tp else 8)
-    start_distributed(args)
+    # starts, which jax.distributed.initialize does not do; GPUs ignore it).
+    if args.tp and args.dp * args.tp % processes:
+        raise ValueError(f"--dp={args.dp} x --tp={args.tp} devices do not split evenly over "
+                         f"{processes} processes")
+    jax.config.update("jax_num_cpu_devices", args.dp * args.tp // processes if args.tp else 8)
     if not 1 <= args.layers <= CFG.num_layers:
         raise ValueError(f"--layers={args.layers} must be in [1, {CFG.num_layers}]")
     devices = jax.devices()  # every process's, under jax.distributed

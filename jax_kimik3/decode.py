@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.layer import AttentionTail, AttnResWeights, final_attn_res
+from jax_kimik3.mesh_mailbox import table_spec
 
 H, K = KIMI_K3.hidden_size, KIMI_K3.o_proj_in_features
 AXIS = "tp"
@@ -135,5 +136,5 @@ def make_step(mesh, params, num_layers, backend, mailbox, stats_ahead=False, vir
         return jax.jit(step)
     rows = rows_spec(mesh)
     return jax.jit(jax.shard_map(
-        step, mesh=mesh, in_specs=(param_specs(params), rows, rows, P(*mesh.axis_names)),
+        step, mesh=mesh, in_specs=(param_specs(params), rows, rows, table_spec(mesh)),
         out_specs=(rows, rows)))

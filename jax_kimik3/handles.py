@@ -63,16 +63,17 @@ closes them. At most MAX_FDS ranks per process (the kernel's SCM_MAX_FD per mess
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 import json
 import math
-import numbers
 import os
 import socket
 import time
 import uuid
 
 from jax_kimik3.config import check_int
+from jax_kimik3.layout import check_timeout_ms
 
 POSIX_FD = "posix_fd"  # handle kinds
 FABRIC = "fabric"
@@ -80,6 +81,9 @@ KINDS = (POSIX_FD, FABRIC)
 SUPPORT_ATTRIBUTES = {  # the device attribute that says a kind is supported
     POSIX_FD: "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
     FABRIC: "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"}
+HANDLE_TYPES = {  # the CUmemAllocationHandleType of each kind
+    POSIX_FD: "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR",
+    FABRIC: "CU_MEM_HANDLE_TYPE_FABRIC"}
 FABRIC_HANDLE_BYTES = 64  # sizeof(CUmemFabricHandle)
 MAX_FDS = 253  # Linux's SCM_MAX_FD: the most fds one message carries
 MAX_HEADER_BYTES = 65536  # the receive buffer of a POSIX_FD message's header
@@ -133,7 +137,7 @@ class Store:
             if not str(e).startswith(DEADLINE_EXCEEDED):
                 raise
             by = "" if writer is None else f" by process {writer}"
-            raise TimeoutError(f"key {self.key(key)!r} was not set{by} within {timeout_ms} ms "
+            raise TimeoutError(f"key {self.key(key)!r} was not set{by} within {timeout_ms:g} ms "
                                f"(process {self.process_id} waited)") from e
 
     def listing(self, directory: str) -> dict[str, bytes]:
@@ -171,7 +175,7 @@ class Store:
             missing = [p for p in members if str(p) not in arrived]
             why = (f"process(es) {missing} never arrived" if missing else
                    f"every process arrived, but the leader, process {leader}, never released")
-            raise TimeoutError(f"{what}: {why} within {deadline.timeout_ms} ms "
+            raise TimeoutError(f"{what}: {why} within {deadline.timeout_ms:g} ms "
                                f"(process {me} waited)") from e
         self.set(f"{name}/left/{me}", b"")
 
@@ -186,7 +190,7 @@ class Store:
                 present = self.listing(directory)
                 missing = [q for q in processes if str(q) not in present] or [p]
                 raise TimeoutError(
-                    f"{what}: process(es) {missing} {never} within {deadline.timeout_ms} ms "
+                    f"{what}: process(es) {missing} {never} within {deadline.timeout_ms:g} ms "
                     f"(process {self.process_id} waited for keys {self.key(directory)}/<process>)"
                 ) from e
         return values
@@ -216,10 +220,11 @@ class ProcessGroup:
                              "only a group's processes call its collectives")
         self.name, self.process_id, self.processes, self.store = (name, process_id, processes,
                                                                   store)
-        self.timeout_ms = _check_timeout("timeout_ms", timeout_ms)
+        self.timeout_ms = check_timeout_ms(timeout_ms)
         self.members = tuple(sorted(set(processes)))
         self.peers = tuple(p for p in self.members if p != process_id)
         self._steps = itertools.count()
+        self.failed = None  # why a collective of the group failed: it is unusable since
 
     def __repr__(self):
         return (f"ProcessGroup(name={self.name!r}, process_id={self.process_id}, "
@@ -235,7 +240,25 @@ class ProcessGroup:
 
     def _step(self, label: str) -> str:
         """The key directory of the group's next collective."""
+        if self.failed is not None:
+            raise RuntimeError(f"group {self.name!r} failed in an earlier collective "
+                               f"({self.failed}); its processes no longer agree on the next "
+                               "one: make the mailbox anew")
         return f"{self.name}/{next(self._steps)}/{label}"
+
+
+def _collective(function):
+    """A collective of a group: once one fails, the group refuses every later one (a process
+    that gave up and one that did not would number their next collectives apart)."""
+    @functools.wraps(function)
+    def collective(group, *args, **kwargs):
+        try:
+            return function(group, *args, **kwargs)
+        except BaseException as e:
+            if group.failed is None:
+                group.failed = f"{function.__name__}: {type(e).__name__}: {e}"
+            raise
+    return collective
 
 
 def host_identity() -> str:
@@ -284,6 +307,7 @@ def choose_kind(hosts: dict[int, str], supported: dict) -> str:
         f"({SUPPORT_ATTRIBUTES[FABRIC]} = 0): a TP group must then stay within one host")
 
 
+@_collective
 def agree_kind(group: ProcessGroup, supported, nbytes: int) -> str:
     """The handle kind of the group's exchange (collective): choose_kind over every process's
     host_identity() and `supported` kinds. Every process must allocate `nbytes` per rank (an
@@ -302,6 +326,7 @@ def agree_kind(group: ProcessGroup, supported, nbytes: int) -> str:
                        {p: f["kinds"] for p, f in facts.items()})
 
 
+@_collective
 def share(group: ProcessGroup, own: dict, kind: str) -> dict:
     """Every other process's handles (collective): `own` maps each rank of this process to its
     handle (an fd for POSIX_FD, FABRIC_HANDLE_BYTES bytes for FABRIC); the result maps every
@@ -340,6 +365,7 @@ def share(group: ProcessGroup, own: dict, kind: str) -> dict:
     return received
 
 
+@_collective
 def barrier(group: ProcessGroup, label: str) -> None:
     """Wait until every process of the group has reached this barrier (collective; `label`
     names it in keys and messages)."""
@@ -350,7 +376,7 @@ class _Deadline:
     """The end of a collective that may take `timeout_ms` in all."""
 
     def __init__(self, timeout_ms):
-        self.timeout_ms = _check_timeout("timeout_ms", timeout_ms)
+        self.timeout_ms = check_timeout_ms(timeout_ms)
         self.end = time.monotonic() + timeout_ms / 1000
 
     def left_ms(self) -> int:
@@ -400,7 +426,7 @@ def _share_fds(group, own, deadline) -> dict[int, int]:
                 except TimeoutError as e:
                     missing = [p for p in group.peers if p not in senders]
                     raise TimeoutError(f"{what}: process(es) {missing} never sent their fds "
-                                       f"within {deadline.timeout_ms} ms (process {me} "
+                                       f"within {deadline.timeout_ms:g} ms (process {me} "
                                        "waited)") from e
                 with connection:
                     connection.settimeout(deadline.left_s())
@@ -425,7 +451,7 @@ def _send_fds(address, header, fds, process, deadline, what):
             socket.send_fds(connection, [header], fds)
         except TimeoutError as e:
             raise TimeoutError(f"{what}: process {process} never took the fds within "
-                               f"{deadline.timeout_ms} ms") from e
+                               f"{deadline.timeout_ms:g} ms") from e
         except OSError as e:
             raise RuntimeError(
                 f"{what}: cannot send fds to process {process} at socket {address!r} ({e}): "
@@ -486,14 +512,6 @@ def _kinds(name, kinds) -> frozenset[str]:
         raise ValueError(f"{name}={sorted(kinds)} has unknown kinds {sorted(kinds - set(KINDS))}; "
                          f"kinds are {KINDS}")
     return kinds
-
-
-def _check_timeout(name, value) -> float:
-    """`value` as a positive, finite number of milliseconds."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-            0 < value < math.inf):
-        raise ValueError(f"{name}={value!r} must be a positive number of milliseconds")
-    return value
 
 
 def _host_names(machines) -> list[str]:

@@ -68,6 +68,21 @@ class Driver:
         return values[0] if len(values) == 1 else values
 
 
+def check_gpu_devices(where, devices) -> list:
+    """`devices` as a list of distinct JAX CUDA devices, one per rank (ValueError otherwise)."""
+    devices = list(devices)
+    if not devices:
+        raise ValueError(f"{where}: devices=[] must name at least one CUDA device")
+    other = sorted({d.platform for d in devices} - {"gpu"})
+    if other:
+        raise ValueError(f"{where} needs CUDA GPU devices; got devices of platform {other} "
+                         f"({devices[0]}): a mailbox lives in GPU memory")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"{where}: devices={devices} name a device twice: one rank per device "
+                         "(Mailbox.virtual puts every rank on one device)")
+    return devices
+
+
 def _show(arg):
     if isinstance(arg, int):
         return hex(arg) if arg > 4096 else str(arg)
@@ -138,16 +153,7 @@ class Mailbox:
     @classmethod
     def for_devices(cls, devices, **kwargs):
         """One buffer on each JAX CUDA device of a TP mesh axis (rank r on devices[r])."""
-        devices = list(devices)
-        if not devices:
-            raise ValueError("devices=[] must name at least one CUDA device")
-        other = sorted({d.platform for d in devices} - {"gpu"})
-        if other:
-            raise ValueError(f"Mailbox.for_devices needs CUDA GPU devices; got devices of "
-                             f"platform {other} ({devices[0]}): a mailbox lives in GPU memory")
-        if len(set(devices)) != len(devices):
-            raise ValueError(f"devices={devices} name a device twice: one rank per device "
-                             "(Mailbox.virtual puts every rank on one device)")
+        devices = check_gpu_devices("Mailbox.for_devices", devices)
         import jax
 
         foreign = [d for d in devices if d.process_index != jax.process_index()]
@@ -165,9 +171,7 @@ class Mailbox:
         the others' through exported handles (jax_kimik3/handles.py). Collective: every
         process with a device in `devices` calls it, with the same `name` (unique per
         mailbox: it names the exchange in the distributed key-value store)."""
-        devices = list(devices)
-        if len({d.id for d in devices}) != len(devices):
-            raise ValueError(f"devices={devices} name a device twice: one rank per device")
+        devices = check_gpu_devices("Mailbox.for_processes", devices)
         import jax
 
         group = handles.ProcessGroup(name, jax.process_index(),
@@ -287,19 +291,13 @@ class Mailbox:
             raise
 
     def _handle_type(self, kind):
-        types = self._cu.cu.CUmemAllocationHandleType
-        return {handles.POSIX_FD: types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                handles.FABRIC: types.CU_MEM_HANDLE_TYPE_FABRIC}[kind]
+        return getattr(self._cu.cu.CUmemAllocationHandleType, handles.HANDLE_TYPES[kind])
 
     def _supported(self):
         """The handle kinds every local device of the mailbox can export."""
         attribute = self._cu.cu.CUdevice_attribute
-        probes = {
-            handles.POSIX_FD:
-                attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-            handles.FABRIC: attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED}
-        return frozenset(kind for kind, probe in probes.items() if all(
-            self._cu("cuDeviceGetAttribute", probe, self._cu("cuDeviceGet", o))
+        return frozenset(kind for kind, name in handles.SUPPORT_ATTRIBUTES.items() if all(
+            self._cu("cuDeviceGetAttribute", getattr(attribute, name), self._cu("cuDeviceGet", o))
             for o in self._contexts))
 
     def _share(self, group):
@@ -311,10 +309,11 @@ class Mailbox:
         try:
             for r in self.owned:
                 buffers[r] = self._allocate(self.ordinals[r], kind)
-            own = dict(buffers)
-            exported = {r: cu("cuMemExportToShareableHandle", handle, self._handle_type(kind), 0)
-                        for r, (_, _, handle) in own.items()}
+            own, exported = dict(buffers), {}
             try:
+                for r, (_, _, handle) in own.items():
+                    exported[r] = cu("cuMemExportToShareableHandle", handle,
+                                     self._handle_type(kind), 0)
                 received = handles.share(group, {
                     r: h if kind == handles.POSIX_FD else bytes(h.data)
                     for r, h in exported.items()}, kind)
@@ -443,9 +442,11 @@ class Mailbox:
     def close(self):
         """Wait for every device of the mailbox to go idle, then free every buffer; closing
         twice is harmless. A closed mailbox is refused by every call."""
-        if self._buffers:
-            self._synchronize()
-        self._release()
+        try:
+            if self._buffers:
+                self._synchronize()
+        finally:  # a device that cannot synchronize (a sticky error) still gets its memory back
+            self._release()
 
     def __enter__(self):
         return self

@@ -12,13 +12,15 @@ whichever mailbox's table it is given.
 
 A group whose devices belong to several processes (one process per GPU, started with
 jax.distributed) allocates each buffer in its owner process and shares it with the others
-through exportable handles (jax_kimik3/handles.py). Creating, arming and closing are then
-collective: every process of the mesh calls them, in the same order.
+through exportable handles (jax_kimik3/handles.py). Creating and arming are then
+collective: every process of the mesh calls them, in the same order. Closing is not: an
+imported handle keeps the memory alive until the last process that mapped it lets it go.
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
+import hashlib
 
 import jax
 import numpy as np
@@ -28,7 +30,23 @@ from jax.sharding import PartitionSpec as P
 from jax_kimik3.layout import DEFAULT_TIMEOUT_MS, MailboxLayout, MailboxSpec
 from jax_kimik3.mailbox import Mailbox
 
-_created = itertools.count()  # mailboxes made by this process: a name every process agrees on
+_created = collections.Counter()  # MeshMailboxes made here per mesh and axis (see _name)
+
+
+def _name(mesh, axis_name) -> str:
+    """A name for a new MeshMailbox's exchanges that every process derives alike: the mesh's
+    devices and axes, the axis, and how many mailboxes of that mesh and axis came before
+    (creation is collective, so every process has made as many)."""
+    what = repr((mesh.axis_names, mesh.devices.shape, [d.id for d in mesh.devices.flat],
+                 axis_name))
+    digest = hashlib.sha256(what.encode()).hexdigest()[:16]
+    _created[digest] += 1
+    return f"mesh_mailbox/{digest}/{_created[digest] - 1}"
+
+
+def table_spec(mesh) -> P:
+    """shard_map's in_specs of a per-device table on `mesh`: one block per device."""
+    return P(*mesh.axis_names)
 
 
 def groups(mesh, axis_name) -> np.ndarray:
@@ -52,7 +70,7 @@ def table_array(mesh, axis_name, tables) -> jax.Array:
         return tables[group_of[device.id]].reshape((1,) * ndim + shape)
 
     return jax.make_array_from_callback((*mesh.devices.shape, *shape),
-                                        NamedSharding(mesh, P(*mesh.axis_names)), block)
+                                        NamedSharding(mesh, table_spec(mesh)), block)
 
 
 class MeshMailbox:
@@ -64,6 +82,10 @@ class MeshMailbox:
     def __init__(self, mesh, axis_name="tp", *, multicast=False, timeout_ms=DEFAULT_TIMEOUT_MS):
         if not isinstance(mesh, jax.sharding.Mesh):
             raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh (of CUDA devices)")
+        me = jax.process_index()
+        if not any(d.process_index == me for d in mesh.devices.flat):
+            raise ValueError(f"mesh {dict(mesh.shape)} has no device of process {me}: a "
+                             "MeshMailbox is made by the processes of its mesh")
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                              f"{dict(mesh.shape)}")
@@ -75,8 +97,7 @@ class MeshMailbox:
         rows = groups(mesh, axis_name)
         self.spec = MailboxSpec(MailboxLayout(rows.shape[1]), multicast, timeout_ms,
                                 groups=len(rows))
-        name = f"mailbox{next(_created)}"
-        me = jax.process_index()
+        name = _name(mesh, axis_name)
         self._groups = {}  # group index → the Mailbox of a group with a device of this process
         try:
             for g, devices in enumerate(rows):
@@ -98,7 +119,7 @@ class MeshMailbox:
     @property
     def table_spec(self) -> P:
         """shard_map's in_specs for `table`: one block per device."""
-        return P(*self.mesh.axis_names)
+        return table_spec(self.mesh)
 
     @property
     def mailboxes(self) -> dict[int, Mailbox]:
@@ -141,8 +162,14 @@ class MeshMailbox:
     def close(self):
         """Close every group's mailbox (each waits for its devices first); twice is harmless."""
         groups, self._groups = self._groups, {}
-        for mailbox in groups.values():
-            mailbox.close()
+        errors = []
+        for mailbox in groups.values():  # every one, whatever another's close raised
+            try:
+                mailbox.close()
+            except Exception as e:  # noqa: BLE001 (raised below, after the others are closed)
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def __enter__(self):
         return self

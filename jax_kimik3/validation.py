@@ -209,8 +209,9 @@ def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
     spec = mailbox.spec
     if isinstance(mailbox, (Mailbox, MeshMailbox)) and mailbox.closed:
         check.fail(f"mailbox={mailbox!r} is closed")
-    if peer_table is not None:
-        lead = max(len(getattr(peer_table, "shape", ())) - 2, 0)
+    if peer_table is not None:  # a MeshMailbox's: exactly one block of its table
+        lead = (mailbox.mesh.devices.ndim if isinstance(mailbox, MeshMailbox)
+                else max(len(getattr(peer_table, "shape", ())) - 2, 0))
         check.array("peer_table", peer_table, (1,) * lead + (spec.tp + 1, 2), jnp.uint32)
     elif isinstance(mailbox, MeshMailbox):
         check.fail(f"mailbox={mailbox!r} has a peer table per device: pass peer_table= (its "
@@ -221,10 +222,11 @@ def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
     if CONCURRENT_COMMANDS in os.environ.get("XLA_FLAGS", ""):
         check.fail(f"XLA_FLAGS has {CONCURRENT_COMMANDS}: XLA could then run two mailbox "
                    "calls at once, and a mailbox's calls must follow one another")
-    if jax.process_count() > 1 and isinstance(mailbox, Mailbox):
+    if jax.process_count() > 1 and isinstance(mailbox, Mailbox) and peer_table is None:
         check.fail(f"this program runs on {jax.process_count()} processes, and mailbox="
-                   f"{mailbox!r} would bake this process's buffer addresses into it: use a "
-                   "MeshMailbox, whose per-device peer table is an operand")
+                   f"{mailbox!r} without peer_table= would bake this process's buffer "
+                   "addresses into it: use a MeshMailbox, whose per-device peer table is an "
+                   "operand")
     if virtual:
         if not spec.virtual and spec.tp > 1:
             check.fail(f"mailbox={mailbox!r} has its {spec.tp} ranks on different devices; "
@@ -239,6 +241,15 @@ def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
     if axis_size != spec.tp:
         check.fail(f"axis {axis_name!r} has {axis_size} ranks; the mailbox has tp={spec.tp}")
     mesh = jax.sharding.get_abstract_mesh()
+    if isinstance(mailbox, MeshMailbox):
+        if axis_name != mailbox.axis_name:
+            check.fail(f"axis_name={axis_name!r}, but the mailbox's groups run along axis "
+                       f"{mailbox.axis_name!r}")
+        here = tuple(zip(mesh.axis_names, mesh.axis_sizes))
+        made = tuple(zip(mailbox.mesh.axis_names, mailbox.mesh.axis_sizes))
+        if here != made:
+            check.fail(f"the mesh here has axes {dict(here)}; the mailbox was made for the "
+                       f"mesh {dict(made)}")
     others = {n: s for n, s in zip(mesh.axis_names, mesh.axis_sizes) if n != axis_name and s > 1}
     groups = math.prod(others.values())
     if groups != spec.groups:

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,27 +31,36 @@ def gpu_count():
 
 def run_processes(n, *flags, one_gpu=True, timeout=540):
     """Start `n` peer processes (all on GPU 0, or process i on GPU i) and return each one's
-    report (the last JSON line it printed) and return code."""
+    return code, report (the last JSON line it printed) and the end of its stderr. Output
+    goes to files: a pipe nobody reads could stall a process that its peers wait for."""
     port = _free_port()
-    procs = []
-    for i in range(n):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="0" if one_gpu else str(i),
-                   XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_PLATFORMS="cuda")
-        env.pop("XLA_FLAGS", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(PEER), "--coordinator", f"127.0.0.1:{port}", "--processes",
-             str(n), "--process-id", str(i), *flags], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, cwd=ROOT))
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            lines = [line for line in out.splitlines() if line.startswith("{")]
-            results.append((p.returncode, json.loads(lines[-1]) if lines else None, err[-3000:]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs, logs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for i in range(n):
+                env = dict(os.environ, CUDA_VISIBLE_DEVICES="0" if one_gpu else str(i),
+                           XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_PLATFORMS="cuda")
+                env.pop("XLA_FLAGS", None)
+                out, err = (open(Path(tmp) / f"{i}.{s}", "w+") for s in ("out", "err"))
+                logs.append((out, err))
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(PEER), "--coordinator", f"127.0.0.1:{port}",
+                     "--processes", str(n), "--process-id", str(i), *flags], env=env,
+                    stdout=out, stderr=err, text=True, cwd=ROOT))
+            for p in procs:
+                p.wait(timeout=timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        results = []
+        for p, (out, err) in zip(procs, logs):
+            out.seek(0), err.seek(0)
+            lines = [line for line in out.read().splitlines() if line.startswith("{")]
+            results.append((p.returncode, json.loads(lines[-1]) if lines else None,
+                            err.read()[-3000:]))
+            out.close(), err.close()
     return results
 
 

@@ -120,3 +120,43 @@ def test_dp_tp_all_reduce_lowers_with_a_table_per_device():
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @CuteDSLRT_NvJaxCutlassCall") == 1
     assert "all-reduce" not in text
+
+
+def _stand_in(mesh, axis_name):
+    """A MeshMailbox's fields without its memory (CPU: nothing to allocate), for the checks."""
+    box = object.__new__(k3.MeshMailbox)
+    box.mesh, box.axis_name = mesh, axis_name
+    box.spec = k3.MailboxSpec(k3.MailboxLayout(mesh.shape[axis_name]),
+                              groups=mesh.size // mesh.shape[axis_name])
+    box._groups = {0: None}
+    return box
+
+
+def _reduce_on(mesh, mailbox, axis_name="tp", table_shape=None):
+    ndim = mesh.devices.ndim
+    table_shape = table_shape or (1,) * ndim + (mailbox.spec.tp + 1, 2)
+    f = jax.shard_map(lambda rows, t: k3.all_reduce(rows, mailbox, axis_name=axis_name,
+                                                    peer_table=t.reshape(table_shape)),
+                      mesh=mesh, in_specs=(P(mesh.axis_names), P(*mesh.axis_names)),
+                      out_specs=P(mesh.axis_names))
+    return jax.jit(f).trace(jax.ShapeDtypeStruct((mesh.size * 4, H), jnp.bfloat16),
+                            jax.ShapeDtypeStruct((*mesh.devices.shape, mailbox.spec.tp + 1, 2),
+                                                 jnp.uint32))
+
+
+def test_mesh_mailbox_serves_its_own_mesh_and_axis():
+    """A MeshMailbox used on another axis, another mesh, or with a table that is not one
+    device's block is refused at trace time (each would send rows to another group)."""
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    box = _stand_in(mesh, "tp")
+    _reduce_on(mesh, box)  # its own mesh and axis: traces
+    square = _mesh((2, 2), ("dp", "tp"))
+    with pytest.raises(ValueError, match=r"axis_name='dp', but the mailbox's groups run along "
+                                         r"axis 'tp'"):
+        _reduce_on(square, _stand_in(square, "tp"), axis_name="dp")
+    with pytest.raises(ValueError, match=r"the mesh here has axes \{'x': 2, 'tp': 4\}; the "
+                                         r"mailbox was made for the mesh \{'dp': 2, 'tp': 4\}"):
+        _reduce_on(_mesh((2, 4), ("x", "tp")), box)
+    with pytest.raises(ValueError, match=r"peer_table has shape=\(5, 2\) dtype=uint32; "
+                                         r"expected shape=\(1, 1, 5, 2\)"):
+        _reduce_on(mesh, box, table_shape=(5, 2))

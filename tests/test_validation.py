@@ -370,6 +370,8 @@ def test_all_reduce_virtual_rejects(partials, mailbox, pattern):
     (lambda: k3.Mailbox.for_devices(jax.devices()[:2]),
      r"Mailbox.for_devices needs CUDA GPU devices; got devices of platform \['cpu'\]"),
     (lambda: k3.Mailbox.virtual(jax.devices()[0], 2), r"Mailbox.virtual needs a CUDA GPU device"),
+    (lambda: k3.Mailbox.for_processes(jax.devices()[:2], name="m"),
+     r"Mailbox.for_processes needs CUDA GPU devices; got devices of platform \['cpu'\]"),
 ])
 def test_mailbox_rejects(make, pattern):
     with pytest.raises(ValueError, match=pattern):
