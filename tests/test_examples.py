@@ -79,3 +79,17 @@ def test_benchmark_runs_as_a_module_and_says_it_needs_a_gpu(tmp_path, bench):
                             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode != 0
     assert f"{bench} needs a GPU" in result.stderr, result.stderr[-2000:]
+
+
+def test_launch_floor_kernel_lowers_for_cuda():
+    """bench_attn_res's launch floor (a row copy of the AttnRes launch shape) compiles for
+    sm_90a and lowers to one kernel call (no GPU needed)."""
+    pytest.importorskip("cutlass")
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.launch_floor import row_copy
+
+    text = jax.jit(row_copy).trace(jax.ShapeDtypeStruct((8, 7168), jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @CuteDSLRT_NvJaxCutlassCall") == 1
