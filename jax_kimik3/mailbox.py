@@ -210,7 +210,9 @@ class Mailbox:
 
     def __repr__(self):
         state = "closed" if self.closed else f"timeout {self.timeout_ms:g} ms"
-        return f"Mailbox(tp={self.tp}, ordinals={list(self.ordinals)}, {state})"
+        where = ("" if self.group is None else
+                 f", processes={list(self.group.processes)}")
+        return f"Mailbox(tp={self.tp}, ordinals={list(self.ordinals)}{where}, {state})"
 
     def _access(self):
         """Read-write access descriptors for every device of the mailbox."""
@@ -411,11 +413,16 @@ class Mailbox:
                     f"rank(s) {missing}")
         if failures or words[:, CONTROL.FAILED].any():
             failed = [r for r in range(self.tp) if words[r, CONTROL.FAILED]]
+            where = (f"devices {list(self.ordinals)}" if self.group is None else
+                     f"the devices of processes {list(self.group.processes)}")
+            how = ("it waits for every device to go idle first" if self.group is None else
+                   "collective: every process of the group calls it, each once its devices "
+                   "are idle")
             raise TimeoutError(
-                f"mailbox tp={self.tp} on devices {list(self.ordinals)}: "
+                f"mailbox tp={self.tp} on {where}: "
                 + ("; ".join(failures) or "marked failed") + f" (after {self.timeout_ms:g} ms). "
                 f"Ranks {failed} are marked failed: every call on this mailbox writes NaN until "
-                "Mailbox.arm() re-arms it (it waits for every device to go idle first)")
+                f"Mailbox.arm() re-arms it ({how})")
 
     @staticmethod
     def _free(cu, buffers, multicast):
