@@ -13,7 +13,7 @@ group's other processes. Two kinds of handles exist:
   driver offers them. Plain bytes travel through the key-value store itself.
 
 The rendezvous is the key-value store of jax.distributed, which the processes already share
-(`Store`); nothing else is launched or listened on beyond the Unix sockets of one exchange.
+(`jax_kimik3.store.Store`); nothing else is launched or listened on beyond the Unix sockets of one exchange.
 A `ProcessGroup` names which process owns which rank; its collectives (`agree_kind`, `share`,
 `barrier`) are called by every process of the group, in the same order. Each takes the next
 step number of the group, so its keys are NAMESPACE/<group name>/<step>/<label>/...
@@ -41,21 +41,11 @@ supported kinds and buffer size, from which every process then makes the same ch
 3. A barrier among the group's processes: after it nobody reads the values any more.
 4. Each process deletes its own value.
 
-Protocol of a barrier among some processes (`Store.barrier`; the lowest id leads):
-1. Each process sets <name>/arrived/<its id>.
-2. The leader reads every arrival, then sets <name>/released.
-3. Every other process reads the release, then sets <name>/left/<its id>.
-4. The leader reads every departure, then deletes <name> and everything under it.
-So the processes outside the barrier never take part, and no key outlives a collective that
-succeeds: a long-running server may create mailboxes forever without growing the store. (The
-price: the leader returns only once every other process has left, so a process that dies just
-after the release makes the leader time out.)
-
 Constraints: every collective gives up after the group's timeout_ms in all, with a TimeoutError
 that names the processes that never did their part (a failed exchange may leave its keys in
-the store). A group's name is the same on every process and used by one group only (the
-caller derives it from, e.g., a count of mailboxes created, which every process agrees on
-because creation is collective). Received fds are this process's, close-on-exec; the caller
+the store). A group's name is the same on every process and used by one group only
+(MeshMailbox derives it from the mesh, the axis and how many mailboxes of that mesh came
+before, which every process agrees on because creation is collective). Received fds are this process's, close-on-exec; the caller
 closes them. At most MAX_FDS ranks per process (the kernel's SCM_MAX_FD per message). Linux only
 (abstract Unix sockets, /proc).
 """
@@ -66,14 +56,13 @@ import array
 import functools
 import itertools
 import json
-import math
 import os
 import socket
-import time
 import uuid
 
 from jax_kimik3.config import check_int
 from jax_kimik3.layout import check_timeout_ms
+from jax_kimik3.store import NAMESPACE, Deadline, Store
 
 POSIX_FD = "posix_fd"  # handle kinds
 FABRIC = "fabric"
@@ -87,113 +76,10 @@ HANDLE_TYPES = {  # the CUmemAllocationHandleType of each kind
 FABRIC_HANDLE_BYTES = 64  # sizeof(CUmemFabricHandle)
 MAX_FDS = 253  # Linux's SCM_MAX_FD: the most fds one message carries
 MAX_HEADER_BYTES = 65536  # the receive buffer of a POSIX_FD message's header
-NAMESPACE = "jax_kimik3"  # the root of every key this package sets
 EXCHANGE_TIMEOUT_MS = 300_000  # as long as jax.distributed.initialize waits for the processes
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 NET_NAMESPACE = "/proc/self/ns/net"
 HOST_SEPARATOR = "/"  # between the parts of a host identity (none of them contains it)
-DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # how a timed-out blocking get of the store begins
-
-
-class Store:
-    """The key-value store of the distributed runtime (jax.distributed), as one process sees
-    it: every key under NAMESPACE, and timeouts that say what was awaited from whom."""
-
-    def __init__(self, client=None, *, process_id=None):
-        if client is None:
-            from jax._src import distributed
-
-            state = distributed.global_state
-            if state.client is None:
-                raise RuntimeError(
-                    "Store needs the distributed runtime: call jax.distributed.initialize(...) "
-                    "in every process first (jax._src.distributed.global_state.client is None)")
-            if process_id is not None and process_id != state.process_id:
-                raise ValueError(f"process_id={process_id!r} is not this process's id in "
-                                 f"jax.distributed ({state.process_id})")
-            client, process_id = state.client, state.process_id
-        elif process_id is None:
-            raise ValueError("Store(client=...) needs process_id: this process's id in the "
-                             "client's runtime")
-        self.client = client
-        self.process_id = check_int("process_id", process_id, 0)
-
-    def key(self, key: str) -> str:
-        """The store's key for `key`."""
-        return f"{NAMESPACE}/{key}"
-
-    def set(self, key: str, value: bytes) -> None:
-        """Set `key` once (setting it again raises the store's ALREADY_EXISTS)."""
-        if not isinstance(value, bytes):
-            raise TypeError(f"the value of key {self.key(key)!r} must be bytes, "
-                            f"not {type(value).__name__}")
-        self.client.key_value_set_bytes(self.key(key), value)
-
-    def get(self, key: str, timeout_ms: float, *, writer=None) -> bytes:
-        """`key`'s value, waiting up to `timeout_ms` for process `writer` to set it."""
-        try:
-            return self.client.blocking_key_value_get_bytes(self.key(key), int(timeout_ms))
-        except RuntimeError as e:  # jax.errors.JaxRuntimeError, with the status in its text
-            if not str(e).startswith(DEADLINE_EXCEEDED):
-                raise
-            by = "" if writer is None else f" by process {writer}"
-            raise TimeoutError(f"key {self.key(key)!r} was not set{by} within {timeout_ms:g} ms "
-                               f"(process {self.process_id} waited)") from e
-
-    def listing(self, directory: str) -> dict[str, bytes]:
-        """The keys set under `directory` now (relative to it) and their values."""
-        prefix = self.key(directory) + "/"
-        return {k[len(prefix):]: v
-                for k, v in self.client.key_value_dir_get_bytes(self.key(directory))}
-
-    def delete(self, key: str) -> None:
-        """Delete `key` and every key under it (none there is no error)."""
-        self.client.key_value_delete(self.key(key))
-
-    def barrier(self, name: str, processes, timeout_ms: float) -> None:
-        """Wait until each of `processes` (this one among them) has called barrier(name, ...):
-        the others take no part, so groups of a mesh sync apart. A name serves one barrier."""
-        members = _members("processes", processes, self.process_id)
-        self._barrier(name, members, _Deadline(timeout_ms))
-
-    def _barrier(self, name, members, deadline):
-        """The barrier of the module docstring, within `deadline`."""
-        leader, me = members[0], self.process_id
-        others = [p for p in members if p != me]
-        what = f"barrier {self.key(name)!r} of processes {list(members)}"
-        self.set(f"{name}/arrived/{me}", b"")
-        if me == leader:
-            self._gather(f"{name}/arrived", others, deadline, what, "never arrived")
-            self.set(f"{name}/released", b"")
-            self._gather(f"{name}/left", others, deadline, what, "never left after the release")
-            self.delete(name)
-            return
-        try:
-            self.get(f"{name}/released", deadline.left_ms(), writer=leader)
-        except TimeoutError as e:
-            arrived = self.listing(f"{name}/arrived")
-            missing = [p for p in members if str(p) not in arrived]
-            why = (f"process(es) {missing} never arrived" if missing else
-                   f"every process arrived, but the leader, process {leader}, never released")
-            raise TimeoutError(f"{what}: {why} within {deadline.timeout_ms:g} ms "
-                               f"(process {me} waited)") from e
-        self.set(f"{name}/left/{me}", b"")
-
-    def _gather(self, directory, processes, deadline, what, never) -> dict[int, bytes]:
-        """directory/<p> of each process p, within `deadline`; the TimeoutError names every
-        process whose key is missing ("`what`: process(es) <missing> `never` within ...")."""
-        values = {}
-        for p in processes:
-            try:
-                values[p] = self.get(f"{directory}/{p}", deadline.left_ms(), writer=p)
-            except TimeoutError as e:
-                present = self.listing(directory)
-                missing = [q for q in processes if str(q) not in present] or [p]
-                raise TimeoutError(
-                    f"{what}: process(es) {missing} {never} within {deadline.timeout_ms:g} ms "
-                    f"(process {self.process_id} waited for keys {self.key(directory)}/<process>)"
-                ) from e
-        return values
 
 
 class ProcessGroup:
@@ -316,7 +202,7 @@ def agree_kind(group: ProcessGroup, supported, nbytes: int) -> str:
     check_int("nbytes", nbytes, 1)
     mine = json.dumps({"host": host_identity(), "kinds": supported, "nbytes": nbytes})
     facts = {p: json.loads(v) for p, v in
-             _all_gather(group, "kind", mine.encode(), _Deadline(group.timeout_ms)).items()}
+             _all_gather(group, "kind", mine.encode(), Deadline(group.timeout_ms)).items()}
     sizes = {p: f["nbytes"] for p, f in facts.items()}
     if len(set(sizes.values())) != 1:
         raise RuntimeError(f"group {group.name!r}: the processes' buffers differ in size "
@@ -349,7 +235,7 @@ def share(group: ProcessGroup, own: dict, kind: str) -> dict:
                          f"process may own at most {MAX_FDS} (one message's fds)")
     if not group.peers:
         return {}
-    deadline = _Deadline(group.timeout_ms)
+    deadline = Deadline(group.timeout_ms)
     if kind == POSIX_FD:
         return _share_fds(group, own, deadline)
     values = _all_gather(group, FABRIC, b"".join(own[r] for r in mine), deadline)
@@ -372,31 +258,15 @@ def barrier(group: ProcessGroup, label: str) -> None:
     group.store.barrier(group._step(label), group.members, group.timeout_ms)
 
 
-class _Deadline:
-    """The end of a collective that may take `timeout_ms` in all."""
-
-    def __init__(self, timeout_ms):
-        self.timeout_ms = check_timeout_ms(timeout_ms)
-        self.end = time.monotonic() + timeout_ms / 1000
-
-    def left_ms(self) -> int:
-        """Milliseconds left (0 once past)."""
-        return max(0, math.ceil((self.end - time.monotonic()) * 1000))
-
-    def left_s(self) -> float:
-        """Seconds left for a socket's timeout: at least a millisecond (0 would not wait)."""
-        return max(self.left_ms(), 1) / 1000
-
-
 def _all_gather(group, label, value, deadline) -> dict[int, bytes]:
     """Every process's `value` (this one's too; in order of process id), by the all-gather of
     the module docstring."""
     store, me = group.store, group.process_id
     step = group._step(label)
     store.set(f"{step}/{me}", value)
-    values = store._gather(step, group.peers, deadline,
+    values = store.gather(step, group.peers, deadline,
                            f"{label} exchange of group {group.name!r}", "never published theirs")
-    store._barrier(f"{step}/read", group.members, deadline)
+    store.barrier_until(f"{step}/read", group.members, deadline)
     store.delete(f"{step}/{me}")
     return dict(sorted({**values, me: value}.items()))
 
@@ -414,7 +284,7 @@ def _share_fds(group, own, deadline) -> dict[int, int]:
             listener.bind(address)
             listener.listen(len(group.peers))
             store.set(f"{step}/{me}", address)
-            addresses = store._gather(step, group.peers, deadline, what,
+            addresses = store.gather(step, group.peers, deadline, what,
                                       "never published their socket")
             for p in group.peers:
                 _send_fds(addresses[p], header, [own[r] for r in sorted(own)], p, deadline,
@@ -492,15 +362,6 @@ def _check_message(group, message, fds, flags, senders) -> tuple[int, tuple[int,
         raise RuntimeError(f"group {group.name!r}: process {sender} sent ranks {list(ranks)} "
                            f"with {len(fds)} fds; it owns ranks {list(group.ranks(sender))}")
     return sender, ranks
-
-
-def _members(name, processes, process_id) -> tuple[int, ...]:
-    """`processes` as sorted distinct ids, checked to include `process_id`."""
-    processes = list(processes)
-    members = tuple(sorted({check_int(f"{name} entry", p, 0) for p in processes}))
-    if process_id not in members:
-        raise ValueError(f"{name}={processes} must include this process, {process_id}")
-    return members
 
 
 def _kinds(name, kinds) -> frozenset[str]:

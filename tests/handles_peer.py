@@ -15,6 +15,7 @@ import time
 import jax
 
 from jax_kimik3 import handles
+from jax_kimik3.store import Store
 
 OWNERS = (0, 0, 1, 1, 2)  # "exchange": the process of each rank (five ranks, three processes)
 TIMEOUT_MS = 60_000  # for steps that succeed: only a hang reaches it
@@ -40,7 +41,7 @@ def memfd(rank):
 
 def exchange(me):
     """agree_kind, share of both kinds, a barrier of a subset, the group's keys gone after."""
-    store = handles.Store()
+    store = Store()
     group = handles.ProcessGroup("mailbox0", me, OWNERS, timeout_ms=TIMEOUT_MS)
     result = {"kind": handles.agree_kind(group, handles.KINDS, 4096), "owns": [
         r for r in range(len(OWNERS)) if group.owns(r)]}
@@ -74,7 +75,7 @@ def exchange(me):
 
 def absent(me):
     """Process 0's collectives whose peer, process 1, never takes part: TimeoutErrors."""
-    store = handles.Store()
+    store = Store()
     if me == 1:  # a socket that never sends, one that is gone, then wait for the end; each
         # published where process 0's first step (0) of groups "late" and "gone" looks for it
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as silent:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from jax_kimik3 import handles
-from jax_kimik3.handles import FABRIC, KINDS, POSIX_FD, ProcessGroup, Store, choose_kind
+from jax_kimik3.handles import FABRIC, KINDS, POSIX_FD, ProcessGroup, choose_kind
+from jax_kimik3.store import Store
 
 PEER = Path(__file__).with_name("handles_peer.py")
 PROCESS_TIMEOUT_S = 120  # a whole multi-process case: only a hang reaches it
