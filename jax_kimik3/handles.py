@@ -43,7 +43,9 @@ supported kinds and buffer size, from which every process then makes the same ch
 
 Constraints: every collective gives up after the group's timeout_ms in all, with a TimeoutError
 that names the processes that never did their part (a failed exchange may leave its keys in
-the store). A group's name is the same on every process and used by one group only
+the store). A process that gives up (`abandon`; a collective that fails does so itself) says
+why under the group's `watch` keys, and every wait of the others' collectives stops at once
+with that reason (store.Abandoned). A group's name is the same on every process and used by one group only
 (MeshMailbox derives it from the mesh, the axis and how many mailboxes of that mesh came
 before, which every process agrees on because creation is collective). Received fds are this process's, close-on-exec; the caller
 closes them. At most MAX_FDS ranks per process (the kernel's SCM_MAX_FD per message). Linux only
@@ -62,7 +64,7 @@ import uuid
 
 from jax_kimik3.config import check_int
 from jax_kimik3.layout import check_timeout_ms
-from jax_kimik3.store import NAMESPACE, Deadline, Store
+from jax_kimik3.store import NAMESPACE, WATCH_MS, Deadline, Store
 
 POSIX_FD = "posix_fd"  # handle kinds
 FABRIC = "fabric"
@@ -111,6 +113,7 @@ class ProcessGroup:
         self.peers = tuple(p for p in self.members if p != process_id)
         self._steps = itertools.count()
         self.failed = None  # why a collective of the group failed: it is unusable since
+        self.watch = f"{name}/abandoned"  # where its processes say that they gave up
 
     def __repr__(self):
         return (f"ProcessGroup(name={self.name!r}, process_id={self.process_id}, "
@@ -141,10 +144,21 @@ def _collective(function):
         try:
             return function(group, *args, **kwargs)
         except BaseException as e:
-            if group.failed is None:
-                group.failed = f"{function.__name__}: {type(e).__name__}: {e}"
+            abandon(group, f"{function.__name__}: {type(e).__name__}: {e}")
             raise
     return collective
+
+
+def abandon(group: ProcessGroup, reason: str) -> None:
+    """This process gives up on the group: its later collectives are refused, and the other
+    processes' waits in the group's collectives stop at once with `reason` (store.Abandoned)
+    instead of running out their timeout."""
+    if group.failed is None:
+        group.failed = reason
+    try:
+        group.store.abandon(group.watch, reason)
+    except Exception:  # noqa: BLE001 (a store that is gone cannot be told; the peers time out)
+        pass
 
 
 def host_identity() -> str:
@@ -255,7 +269,8 @@ def share(group: ProcessGroup, own: dict, kind: str) -> dict:
 def barrier(group: ProcessGroup, label: str) -> None:
     """Wait until every process of the group has reached this barrier (collective; `label`
     names it in keys and messages)."""
-    group.store.barrier(group._step(label), group.members, group.timeout_ms)
+    group.store.barrier_until(group._step(label), group.members, Deadline(group.timeout_ms),
+                              group.watch)
 
 
 def _all_gather(group, label, value, deadline) -> dict[int, bytes]:
@@ -265,8 +280,9 @@ def _all_gather(group, label, value, deadline) -> dict[int, bytes]:
     step = group._step(label)
     store.set(f"{step}/{me}", value)
     values = store.gather(step, group.peers, deadline,
-                           f"{label} exchange of group {group.name!r}", "never published theirs")
-    store.barrier_until(f"{step}/read", group.members, deadline)
+                          f"{label} exchange of group {group.name!r}", "never published theirs",
+                          group.watch)
+    store.barrier_until(f"{step}/read", group.members, deadline, group.watch)
     store.delete(f"{step}/{me}")
     return dict(sorted({**values, me: value}.items()))
 
@@ -285,15 +301,18 @@ def _share_fds(group, own, deadline) -> dict[int, int]:
             listener.listen(len(group.peers))
             store.set(f"{step}/{me}", address)
             addresses = store.gather(step, group.peers, deadline, what,
-                                      "never published their socket")
+                                     "never published their socket", group.watch)
             for p in group.peers:
                 _send_fds(addresses[p], header, [own[r] for r in sorted(own)], p, deadline,
                           what)
             while len(senders) < len(group.peers):
-                listener.settimeout(deadline.left_s())
+                store.check_watch(group.watch)
+                listener.settimeout(min(deadline.left_s(), WATCH_MS / 1000))
                 try:
                     connection, _ = listener.accept()
                 except TimeoutError as e:
+                    if deadline.left_ms() > 0:
+                        continue
                     missing = [p for p in group.peers if p not in senders]
                     raise TimeoutError(f"{what}: process(es) {missing} never sent their fds "
                                        f"within {deadline.timeout_ms:g} ms (process {me} "

@@ -143,7 +143,9 @@ class Mailbox:
             self.peer_table = peer_table(self.addresses,
                                          self._multicast[0][0] if multicast else 0)
             self.arm()
-        except BaseException:
+        except BaseException as e:
+            if group is not None:  # the other processes stop waiting for this one
+                handles.abandon(group, f"making the mailbox: {type(e).__name__}: {e}")
             self._release()
             raise
         # Frees the memory when the mailbox is collected or, at the latest, at interpreter exit.
@@ -359,17 +361,22 @@ class Mailbox:
         of every rank and zero the control words: the call counters restart together and a
         failure is cleared; rows a late peer left behind are wiped, never read."""
         self._require_open("Mailbox.arm")
-        self._synchronize()  # no kernel may still use the slots
-        if self.group is not None:  # nor any of the other processes' kernels
-            handles.barrier(self.group, "arm")
-        for r in self.owned:
-            address = self._buffers[r][0]
-            self._cu("cuCtxSetCurrent", self._contexts[self.ordinals[r]])
-            self._cu("cuMemsetD32", address, SENTINEL, self.layout.armed_bytes // 4)
-            self._cu("cuMemsetD32", address + self.layout.control, 0, CONTROL.WORDS)
-        self._synchronize()
-        if self.group is not None:  # no process publishes before every rank is armed
-            handles.barrier(self.group, "armed")
+        try:
+            self._synchronize()  # no kernel may still use the slots
+            if self.group is not None:  # nor any of the other processes' kernels
+                handles.barrier(self.group, "arm")
+            for r in self.owned:
+                address = self._buffers[r][0]
+                self._cu("cuCtxSetCurrent", self._contexts[self.ordinals[r]])
+                self._cu("cuMemsetD32", address, SENTINEL, self.layout.armed_bytes // 4)
+                self._cu("cuMemsetD32", address + self.layout.control, 0, CONTROL.WORDS)
+            self._synchronize()
+            if self.group is not None:  # no process publishes before every rank is armed
+                handles.barrier(self.group, "armed")
+        except BaseException as e:
+            if self.group is not None:  # the other processes stop waiting for this one
+                handles.abandon(self.group, f"Mailbox.arm: {type(e).__name__}: {e}")
+            raise
 
     def read(self, rank, offset, nbytes, dtype=np.uint32) -> np.ndarray:
         """A host copy of `nbytes` of rank `rank`'s buffer from byte `offset` (for checks);

@@ -23,6 +23,11 @@ from jax_kimik3.layout import check_timeout_ms
 
 NAMESPACE = "jax_kimik3"  # the root of every key this package sets
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # how a timed-out blocking get of the store begins
+WATCH_MS = 200  # a wait that watches for processes that gave up looks this often
+
+
+class Abandoned(RuntimeError):
+    """A process that a wait needed gave up (it said so under the wait's `watch` directory)."""
 
 
 class Deadline:
@@ -84,16 +89,41 @@ class Store:
                             f"not {type(value).__name__}")
         self.client.key_value_set_bytes(self.key(key), value)
 
-    def get(self, key: str, timeout_ms: float, *, writer=None) -> bytes:
-        """`key`'s value, waiting up to `timeout_ms` for process `writer` to set it."""
-        try:
-            return self.client.blocking_key_value_get_bytes(self.key(key), int(timeout_ms))
-        except RuntimeError as e:  # jax.errors.JaxRuntimeError, with the status in its text
-            if not str(e).startswith(DEADLINE_EXCEEDED):
-                raise
-            by = "" if writer is None else f" by process {writer}"
-            raise TimeoutError(f"key {self.key(key)!r} was not set{by} within {timeout_ms:g} ms "
-                               f"(process {self.process_id} waited)") from e
+    def get(self, key: str, timeout_ms: float, *, writer=None, watch=None) -> bytes:
+        """`key`'s value, waiting up to `timeout_ms` for process `writer` to set it. With
+        `watch` (a directory where processes that gave up say why: `abandon`), the wait looks
+        there every WATCH_MS and raises Abandoned as soon as one has."""
+        deadline = Deadline(max(timeout_ms, 1))
+        while True:
+            self.check_watch(watch)
+            step = deadline.left_ms() if watch is None else min(deadline.left_ms(), WATCH_MS)
+            try:
+                return self.client.blocking_key_value_get_bytes(self.key(key), max(step, 1))
+            except RuntimeError as e:  # jax.errors.JaxRuntimeError, with the status in its text
+                if not str(e).startswith(DEADLINE_EXCEEDED):
+                    raise
+                if deadline.left_ms() > 0:
+                    continue
+                self.check_watch(watch)
+                by = "" if writer is None else f" by process {writer}"
+                raise TimeoutError(f"key {self.key(key)!r} was not set{by} within "
+                                   f"{timeout_ms:g} ms (process {self.process_id} waited)") from e
+
+    def abandon(self, watch: str, reason: str) -> None:
+        """Say under `watch` that this process gave up, and why: the waits that watch it stop
+        at once (a second call keeps the first reason)."""
+        if f"{self.process_id}" not in self.listing(watch):
+            self.set(f"{watch}/{self.process_id}", reason.encode())
+
+    def check_watch(self, watch) -> None:
+        """Raise Abandoned if a process has given up under `watch` (None: nothing to watch)."""
+        if watch is None:
+            return
+        gave_up = self.listing(watch)
+        if gave_up:
+            said = "; ".join(f"process {p}: {v.decode(errors='replace')}"
+                             for p, v in sorted(gave_up.items()))
+            raise Abandoned(f"{self.key(watch)}: a process gave up ({said})")
 
     def listing(self, directory: str) -> dict[str, bytes]:
         """The keys set under `directory` now (relative to it) and their values."""
@@ -111,21 +141,23 @@ class Store:
         members = members_of("processes", processes, self.process_id)
         self.barrier_until(name, members, Deadline(timeout_ms))
 
-    def barrier_until(self, name, members, deadline):
+    def barrier_until(self, name, members, deadline, watch=None):
         """The barrier of the module docstring among `members` (sorted ids, this process
-        among them), within `deadline` (a Deadline another wait may share)."""
+        among them), within `deadline` (a Deadline another wait may share); `watch` as
+        for `get`."""
         leader, me = members[0], self.process_id
         others = [p for p in members if p != me]
         what = f"barrier {self.key(name)!r} of processes {list(members)}"
         self.set(f"{name}/arrived/{me}", b"")
         if me == leader:
-            self.gather(f"{name}/arrived", others, deadline, what, "never arrived")
+            self.gather(f"{name}/arrived", others, deadline, what, "never arrived", watch)
             self.set(f"{name}/released", b"")
-            self.gather(f"{name}/left", others, deadline, what, "never left after the release")
+            self.gather(f"{name}/left", others, deadline, what, "never left after the release",
+                        watch)
             self.delete(name)
             return
         try:
-            self.get(f"{name}/released", deadline.left_ms(), writer=leader)
+            self.get(f"{name}/released", deadline.left_ms(), writer=leader, watch=watch)
         except TimeoutError as e:
             arrived = self.listing(f"{name}/arrived")
             missing = [p for p in members if str(p) not in arrived]
@@ -135,13 +167,15 @@ class Store:
                                f"(process {me} waited)") from e
         self.set(f"{name}/left/{me}", b"")
 
-    def gather(self, directory, processes, deadline, what, never) -> dict[int, bytes]:
+    def gather(self, directory, processes, deadline, what, never, watch=None) -> dict[int, bytes]:
         """directory/<p> of each process p, within `deadline`; the TimeoutError names every
-        process whose key is missing ("`what`: process(es) <missing> `never` within ...")."""
+        process whose key is missing ("`what`: process(es) <missing> `never` within ...");
+        `watch` as for `get`."""
         values = {}
         for p in processes:
             try:
-                values[p] = self.get(f"{directory}/{p}", deadline.left_ms(), writer=p)
+                values[p] = self.get(f"{directory}/{p}", deadline.left_ms(), writer=p,
+                                     watch=watch)
             except TimeoutError as e:
                 present = self.listing(directory)
                 missing = [q for q in processes if str(q) not in present] or [p]

@@ -17,7 +17,7 @@ import pytest
 
 from jax_kimik3 import handles
 from jax_kimik3.handles import FABRIC, KINDS, POSIX_FD, ProcessGroup, choose_kind
-from jax_kimik3.store import Store
+from jax_kimik3.store import Abandoned, Store
 
 PEER = Path(__file__).with_name("handles_peer.py")
 PROCESS_TIMEOUT_S = 120  # a whole multi-process case: only a hang reaches it
@@ -280,6 +280,32 @@ def test_threads_fabric_handles_of_wrong_size():
         lambda: handles.share(g0, {0: bytes(handles.FABRIC_HANDLE_BYTES)}, FABRIC), faulty_peer)
     assert isinstance(error, RuntimeError)
     assert "process 1 sent 5 bytes of fabric handles for its 1 ranks (64 bytes each)" in str(error)
+
+
+@pytest.mark.parametrize("collective", ["fds", "fabric", "barrier"])
+def test_threads_a_process_that_gives_up_stops_the_others(collective):
+    """A process that gives up (handles.abandon, e.g. its allocation failed) stops its peers'
+    waits at once with its reason, not after the group's 60 s timeout; the group then refuses
+    later collectives on both sides."""
+    _, (g0, g1) = groups((0, 1), timeout_ms=60_000)
+    fd = os.memfd_create("waiting")
+    wait = {"fds": lambda: handles.share(g0, {0: fd}, POSIX_FD),
+            "fabric": lambda: handles.share(g0, {0: bytes(handles.FABRIC_HANDLE_BYTES)}, FABRIC),
+            "barrier": lambda: handles.barrier(g0, "arm")}[collective]
+
+    def give_up():
+        time.sleep(0.3)  # process 0 is waiting by now
+        handles.abandon(g1, "making the mailbox: RuntimeError: cuMemCreate failed")
+
+    start = time.monotonic()
+    error, _ = collectively(wait, give_up)
+    os.close(fd)
+    assert isinstance(error, Abandoned), error
+    assert "process 1: making the mailbox: RuntimeError: cuMemCreate failed" in str(error)
+    assert time.monotonic() - start < 10  # the watch, not the 60 s timeout
+    for group in (g0, g1):
+        with pytest.raises(RuntimeError, match=r"failed in an earlier collective"):
+            handles.barrier(group, "again")
 
 
 def test_threads_barrier_of_a_subset():
