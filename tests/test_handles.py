@@ -258,7 +258,11 @@ def test_threads_peer_sends_wrong_ranks():
                 connection.connect(address)
                 socket.send_fds(connection, [json.dumps({"sender": 1, "ranks": [5]}).encode()],
                                 [theirs])
-            listener.accept()[0].close()
+            connection, _ = listener.accept()
+            with connection:  # take process 0's message before closing: else its send may
+                _, fds, _, _ = socket.recv_fds(connection, 1024, 4)  # fail on a closed pipe
+            for fd in fds:
+                os.close(fd)
 
     error, _ = collectively(lambda: handles.share(g0, {0: mine}, POSIX_FD), faulty_peer)
     assert isinstance(error, RuntimeError)
