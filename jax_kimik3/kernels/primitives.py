@@ -27,7 +27,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_kimik3.kernels.geometry import VECTOR, VECTOR_BYTES
+from jax_kimik3.kernels.geometry import VECTOR, VECTOR_BYTES, WARP
 from jax_kimik3.layout import CONTROL, SENTINEL
 
 NEG_ZERO_BF16 = 0x8000
@@ -79,8 +79,10 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
     """Sum each per-thread fp32 in `values` over every thread of every CTA of the cluster.
 
     1. a butterfly warp sum; 2. lane 0 writes warp totals to `warp_buf` [warps, n];
-    3. thread t < cluster_size adds them (fixed order) and stores the CTA total into slot
-    `rank` of CTA t's `cluster_buf` [cluster_size, n] through distributed shared memory;
+    3. for each (CTA t, value k), one of the threads adds the warp totals of k (fixed order)
+    and stores the CTA total into slot `rank` of CTA t's `cluster_buf` [cluster_size, n]
+    through distributed shared memory (cluster_size·n stores spread over the threads, not
+    n in a row on each of cluster_size threads);
     4. a cluster barrier (arrive: release, wait: acquire) publishes the stores;
     5. every thread adds the slots in rank order, so all CTAs hold bitwise-equal sums.
     The caller must have synchronised the cluster once since launch (peers' shared memory
@@ -95,12 +97,16 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
         if lane == 0:
             warp_buf[warp, k] = total
     cute.arch.barrier()
-    if tidx < cluster_size:
-        for k in cutlass.range_constexpr(n):
+    threads = warps * WARP  # the threads that call it: warp_buf has a row per warp
+    for j in cutlass.range_constexpr((cluster_size * n + threads - 1) // threads):
+        pair = tidx + j * threads
+        if pair < cluster_size * n:
+            peer = pair // n
+            k = pair - peer * n
             cta = Float32(0.0)
             for w in cutlass.range_constexpr(warps):
                 cta = cta + warp_buf[w, k]
-            store_to_peer_f32(cluster_buf.iterator + (rank * n + k), tidx, cta)
+            store_to_peer_f32(cluster_buf.iterator + (rank * n + k), peer, cta)
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
     sums = []
