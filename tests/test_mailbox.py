@@ -251,3 +251,8 @@ jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     for name, body in publishers:  # the release fence comes first, before any global access
         first = re.search(r"\b(ld|st|atom|red)\.(global|relaxed|acq|release)", body)
         assert 0 <= body.find("fence.acq_rel.sys") < first.start(), name
+        # a call's first kernel lets the next one (a dependent launch) start early
+        assert ("griddepcontrol.launch_dependents" in body) == ("Fused" not in name), name
+    for name, body in entries(ptx):  # a dependent launch waits before its first mailbox read
+        if (name, body) not in publishers:
+            assert 0 <= body.find("griddepcontrol.wait") < body.find("ld.relaxed.sys"), name

@@ -6,7 +6,7 @@ import pytest
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.layout import MailboxLayout, MailboxSpec
-from tests.lowering import CUSTOM_CALL, kept_ptx, kernel_calls, lower_for_cuda, spec
+from tests.lowering import CUSTOM_CALL, entries, kept_ptx, kernel_calls, lower_for_cuda, spec
 
 pytest.importorskip("cutlass")
 from jax_kimik3.kernels import producer_ops as producer  # noqa: E402
@@ -81,9 +81,16 @@ def test_ptx_streams_weights_into_mma(tmp_path):
 @pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
 def test_two_shot_tail_adds_the_owner(tmp_path, two_shot):
     """The tail call launches the producer, [the owner (chunk sums),] and the AttnRes kernel:
-    its module holds two kernels one-shot, three two-shot."""
+    its module holds two kernels one-shot, three two-shot. Each kernel but the last lets the
+    next launch early, and each but the first (a dependent launch) waits for the one before it
+    ahead of its mailbox reads."""
     ptx = kept_ptx(f"""
         from tests.test_producer_lowering import split_tail
         split_tail(4, 64, two_shot={two_shot})
     """, tmp_path)
-    assert ptx.count(".entry") == 2 + two_shot
+    kernels = dict(entries(ptx))
+    assert len(kernels) == 2 + two_shot
+    for name, body in kernels.items():
+        first, last = "Producer" in name, "AttnRes" in name
+        assert ("griddepcontrol.launch_dependents" in body) == (not last), name
+        assert ("griddepcontrol.wait" in body) == (not first), name

@@ -40,9 +40,9 @@ from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.geometry import CLUSTER, THREADS, VECTOR, WARP
 from jax_kimik3.layout import WAITER
-from jax_kimik3.kernels.primitives import (call_of, cluster_sums, finish_call, load_f32,
-                                           one_or_nan, poll_sum, rearm, received_slots, store,
-                                           vectors)
+from jax_kimik3.kernels.primitives import (call_of, cluster_sums, dependent_launch,
+                                           finish_call, load_f32, one_or_nan, poll_sum, rearm,
+                                           received_slots, store, vectors, wait_for_previous)
 
 HIDDEN = KIMI_K3.hidden_size
 WARPS = THREADS // WARP
@@ -62,24 +62,29 @@ def _smem_bytes(reductions: int, values: int) -> int:
 
 
 @cute.jit
-def cluster_logits(sources: list, keys: list, extra: list, warp_buf: cute.Tensor,
+def source_partials(source, keys: list):
+    """This thread's Σv² and, per key (g·w of its columns, eps), Σv·g·w of one source (its
+    fp32 columns of a row): what `cluster_logits` sums over the cluster."""
+    partials = [(source * source).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)]
+    for gw, _ in keys:
+        partials.append((source * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+    return partials
+
+
+@cute.jit
+def cluster_logits(partials: list, keys: list, extra: list, warp_buf: cute.Tensor,
                    cluster_buf: cute.Tensor, rank):
-    """z = Σv·g·w · rsqrt(Σv²/H + eps) of each source (this thread's fp32 columns of a row)
-    under each key (g·w of this thread's columns, eps): ([[z of each source] of each key],
-    [cluster sum of each of the `extra` per-thread values]), every sum taken over the cluster
-    in one exchange. Completes the kernel's `cluster_arrive_relaxed` (peers' shared memory
-    exists, they are done with the last row's buffers) before the first DSMEM store."""
-    partials = []
-    for s in sources:
-        partials.append((s * s).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-        for gw, _ in keys:
-            partials.append((s * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-    partials += extra
+    """z = Σv·g·w · rsqrt(Σv²/H + eps) of each source from its `source_partials` under each
+    key: ([[z of each source] of each key], [cluster sum of each of the `extra` per-thread
+    values]), every sum taken over the cluster in one exchange. Completes the kernel's
+    `cluster_arrive_relaxed` (peers' shared memory exists, they are done with the last row's
+    buffers) before the first DSMEM store."""
+    values = [value for source in partials for value in source] + extra
     cute.arch.cluster_wait()
-    sums = cluster_sums(partials, warp_buf, cluster_buf, CLUSTER, rank)
+    sums = cluster_sums(values, warp_buf, cluster_buf, CLUSTER, rank)
     per = 1 + len(keys)
     logits = [[sums[per * i + 1 + k] * cute.math.rsqrt(sums[per * i] * (1.0 / HIDDEN) + eps)
-               for i in range(len(sources))] for k, (_, eps) in enumerate(keys)]
+               for i in range(len(partials))] for k, (_, eps) in enumerate(keys)]
     return logits, sums[len(sums) - len(extra):]
 
 
@@ -167,11 +172,14 @@ class AttnResKernel:
     @cute.jit
     def launch(self, stream, t: AttnResTensors):
         """The kernel on `stream`, one cluster per output row (R·B); the tail calls launch it
-        after the rows' producers."""
+        after the rows' producers, and then it is their dependent launch: it reads its
+        inputs and the saved blocks while they run, and waits for them before the mailbox."""
         batch = cute.size(t.prefix, mode=[0])
-        self.kernel(t.vectors(), batch).launch(
-            grid=[CLUSTER, self.ranks * batch, 1], block=[THREADS, 1, 1],
-            cluster=[CLUSTER, 1, 1], smem=_smem_bytes(2, self.exchanged), stream=stream)
+        launch = dependent_launch if cutlass.const_expr(self.v.reduction is not None) else (
+            lambda kernel, **config: kernel.launch(**config))
+        launch(self.kernel(t.vectors(), batch), grid=[CLUSTER, self.ranks * batch, 1],
+               block=[THREADS, 1, 1], cluster=[CLUSTER, 1, 1],
+               smem=_smem_bytes(2, self.exchanged), stream=stream)
 
     @property
     def exchanged(self) -> int:
@@ -208,6 +216,12 @@ class AttnResKernel:
         norm_cluster = smem.allocate_tensor(Float32, _row_major(CLUSTER, 1), byte_alignment=16)
 
         gw = load_f32(t.res_norm_w, col) * load_f32(t.res_proj_w, col)
+        keys = [(gw, v.eps)]
+        if cutlass.const_expr(v.ahead):
+            keys.append((load_f32(t.ahead_norm_w, col) * load_f32(t.ahead_proj_w, col), v.eps))
+        # The saved blocks' partial sums first: a tail's reduction waits for its producers.
+        partials = [source_partials(load_f32(t.blocks, (row, s, col)), keys)
+                    for s in range(v.sources - 1)]
         extra = []
         if cutlass.const_expr(v.reduction is not None):
             reduced, ok = self.reduced(t.table, t.ranks[i], row, col)
@@ -225,11 +239,8 @@ class AttnResKernel:
         if cutlass.const_expr(v.write_idx >= 0):
             store(t.blocks, (row, v.write_idx, col), p)
 
-        saved = [load_f32(t.blocks, (row, s, col)) for s in range(v.sources - 1)]
-        keys = [(gw, v.eps)]
-        if cutlass.const_expr(v.ahead):
-            keys.append((load_f32(t.ahead_norm_w, col) * load_f32(t.ahead_proj_w, col), v.eps))
-        logits, failures = cluster_logits(saved + [p], keys, extra, warp_buf, cluster_buf, cta)
+        logits, failures = cluster_logits(partials + [source_partials(p, keys)], keys, extra,
+                                          warp_buf, cluster_buf, cta)
         z = logits[0]
         scale = Float32(1.0)
         if cutlass.const_expr(v.reduction is not None):  # NaN over the whole row on a failure
@@ -272,6 +283,7 @@ class AttnResKernel:
         with it; what was read is re-armed. NaN where the wait gave up (ok 0)."""
         red = self.v.reduction
         lay = red.spec.layout
+        wait_for_previous()  # the call's producers (at once in the fused tail)
         wait = call_of(table, rank, lay, red.spec.timeout_ns, WAITER.TAIL_CONSUMER)
         slots, peers = received_slots(wait, row, col, two_shot=red.two_shot)
         acc, ok = poll_sum(slots, peers, wait)
@@ -308,9 +320,10 @@ class StatisticsKernel:
         smem = cutlass.memory.SmemAllocator()
         warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
-        gw = load_f32(res_norm_w, col) * load_f32(res_proj_w, col)
-        saved = [load_f32(blocks, (row, i, col)) for i in range(self.num_blocks)]
-        z = cluster_logits(saved, [(gw, self.eps)], [], warp_buf, cluster_buf, rank)[0][0]
+        keys = [(load_f32(res_norm_w, col) * load_f32(res_proj_w, col), self.eps)]
+        partials = [source_partials(load_f32(blocks, (row, i, col)), keys)
+                    for i in range(self.num_blocks)]
+        z = cluster_logits(partials, keys, [], warp_buf, cluster_buf, rank)[0][0]
         store_statistics(z, blocks, row, col, mixture, scal, row)
 
 

@@ -20,7 +20,10 @@ A wait that gives up (`primitives.poll`) writes NaN where it found no rows (the 
 NaN to every gather, so no consumer waits on it), records the timeout and marks every rank of
 the mailbox failed: `Mailbox.check()` raises it. Nothing spins forever.
 `AllReduce` launches the kernels of one call back to back on the call's stream, as one XLA
-custom call: no other mailbox call can run between them. R = 1 is a mesh rank (its index from
+custom call: no other mailbox call can run between them. Every kernel of a call but the first
+is a programmatic dependent launch (`dependent_launch`): its predecessor lets it start at
+once, and it waits for that grid (`griddepcontrol.wait`) before it reads anything of the
+mailbox, so the ordering is the kernel boundary's and only its launch overlaps. R = 1 is a mesh rank (its index from
 `axis_index`); R = T is virtual TP (every rank on one GPU: every publish, then every owner,
 then every consumer).
 """
@@ -34,10 +37,12 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from jax_kimik3.kernels.geometry import FLAT_THREADS, VECTOR, VECTOR_BYTES
-from jax_kimik3.kernels.primitives import (address_of, call_of, f32_to_words, fence_system,
-                                           finish_call, load_words, multicast_words,
+from jax_kimik3.kernels.primitives import (address_of, call_of, dependent_launch,
+                                           f32_to_words, fence_system, finish_call,
+                                           let_next_launch, load_words, multicast_words,
                                            poison_words, poll, poll_sum, rearm, received_slots,
-                                           store_words, without_negative_zero)
+                                           store_words, wait_for_previous,
+                                           without_negative_zero)
 from jax_kimik3.layout import SENTINEL, WAITER, MailboxLayout, MailboxSpec
 
 
@@ -103,9 +108,9 @@ class AllReduce:
         batch = cute.size(rows, mode=[0]) // self.ranks
         self.launch_publish(stream, rows, table, ranks, batch)
         self.launch_owner(stream, table, ranks, batch)
-        self.consume(table, ranks, out, batch).launch(
-            grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR),
-            block=[FLAT_THREADS, 1, 1], stream=stream)
+        dependent_launch(self.consume(table, ranks, out, batch),
+                         grid=_grid(self.ranks * batch, self.layout.hidden // VECTOR),
+                         block=[FLAT_THREADS, 1, 1], stream=stream)
 
     @cute.jit
     def launch_publish(self, stream, rows: cute.Tensor, table: cute.Tensor, ranks: cute.Tensor,
@@ -120,13 +125,14 @@ class AllReduce:
         """Two-shot only: the owner kernel, between the publish and the consumer (this
         call's or, in kernels/tail.py, an AttnRes kernel)."""
         if cutlass.const_expr(self.two_shot):
-            self.reduce_chunk(table, ranks, batch).launch(
-                grid=_grid(self.ranks * batch, self.layout.chunk // VECTOR),
-                block=[FLAT_THREADS, 1, 1], stream=stream)
+            dependent_launch(self.reduce_chunk(table, ranks, batch),
+                             grid=_grid(self.ranks * batch, self.layout.chunk // VECTOR),
+                             block=[FLAT_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def publish(self, rows: cute.Tensor, table: cute.Tensor, ranks: cute.Tensor, batch: Int32):
         fence_system()  # release: the earlier kernels' re-arms before this kernel's stores
+        let_next_launch()
         lay = self.layout
         _, row, vec = _item(lay.hidden // VECTOR)
         if row < self.ranks * batch:
@@ -141,6 +147,8 @@ class AllReduce:
     @cute.kernel
     def reduce_chunk(self, table: cute.Tensor, ranks: cute.Tensor, batch: Int32):
         """Two-shot owner: sum this rank's receive slots, send the chunk to every gather."""
+        let_next_launch()
+        wait_for_previous()  # the publish
         lay = self.layout
         chunk_vecs, chunk_bytes = lay.chunk // VECTOR, lay.chunk * 2
         _, item, vec = _item(chunk_vecs)
@@ -164,6 +172,7 @@ class AllReduce:
     def consume(self, table: cute.Tensor, ranks: cute.Tensor, out: cute.Tensor, batch: Int32):
         """Poll this rank's slots (one-shot: T slots; two-shot: the gather region), sum,
         re-arm; NaN where a wait gave up. The last CTA advances the call counters."""
+        wait_for_previous()  # the publish or the owner
         lay = self.layout
         tidx, _, _ = cute.arch.thread_idx()
         _, item, vec = _item(lay.hidden // VECTOR)

@@ -14,7 +14,12 @@ Memory semantics of the mailbox (docs/protocol.md has the argument):
   fence costs little; before the publish it waited for the GEMM's loads.) The two-shot owner
   fences between its poll and its gather store, which it makes from what it polled;
 - control words of this rank (call counter, arrivals) are read and written by this rank's
-  kernels only, ordered by kernel boundaries and GPU-scope atomics.
+  kernels only, ordered by kernel boundaries and GPU-scope atomics;
+- a call's kernels after its first are programmatic dependent launches (`dependent_launch`):
+  they may start while the kernel before them runs, but read and write nothing of the
+  mailbox before `griddepcontrol.wait` (`wait_for_previous`), which returns once that grid has
+  completed and its memory is visible: a kernel boundary for everything the protocol orders.
+  Before it they only load what no kernel of the call writes (saved blocks, weights).
 """
 
 from __future__ import annotations
@@ -116,6 +121,26 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
             acc = acc + cluster_buf[c, k]
         sums.append(acc)
     return sums
+
+
+def dependent_launch(kernel, **launch):
+    """Launch `kernel` (a configured kernel call) as a programmatic dependent launch: it may
+    start once every CTA of the stream's previous kernel has run
+    `griddepcontrol.launch_dependents`, and must `griddepcontrol.wait` (`wait_for_previous`)
+    before it reads what that kernel writes."""
+    kernel.launch(use_pdl=True, **launch)
+
+
+def let_next_launch():
+    """`griddepcontrol.launch_dependents`: the stream's next kernel, if it is a dependent
+    launch, may start now (it waits for this grid before it reads the mailbox)."""
+    cute.arch.griddepcontrol_launch_dependents()
+
+
+def wait_for_previous():
+    """`griddepcontrol.wait`: the stream's previous kernel has completed and its memory is
+    visible (at once in a kernel that was not a dependent launch)."""
+    cute.arch.griddepcontrol_wait()
 
 
 # Lamport mailbox words: each helper takes a raw 64-bit global address (peer buffers are

@@ -13,7 +13,9 @@ w's 16 rows as A and x as B, one 8-column B tile per 8 tokens:
   partial sums are added in warp order (deterministic), rounded to bf16, and leave as 16-byte
   vectors: into a plain [B, N] output, or published into the mailbox (lamport.publish_words)
   at the buffer of the rank's call, read from its control words before the GEMM (so the read
-  hides under the weight stream); nothing is published on a failed mailbox.
+  hides under the weight stream); nothing is published on a failed mailbox. A publishing
+  producer lets the call's next kernel launch at once (`griddepcontrol.launch_dependents`),
+  which waits for the producer's grid before it reads the mailbox (kernels/tail.py).
 Token rows past B read row B - 1 (no branch in the loop) and are never stored.
 """
 
@@ -29,9 +31,9 @@ from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.geometry import PRODUCER_WARPS as WARPS
 from jax_kimik3.kernels.geometry import ROWS, TOKENS, VECTOR, VECTOR_BYTES, WARP
 from jax_kimik3.kernels.lamport import publish_words
-from jax_kimik3.kernels.primitives import (call_of, f32_to_words,
-                                           fence_system, load_words, mma_bf16, stream_words, store_words,
-                                           without_negative_zero)
+from jax_kimik3.kernels.primitives import (call_of, f32_to_words, fence_system,
+                                           let_next_launch, load_words, mma_bf16, stream_words,
+                                           store_words, without_negative_zero)
 from jax_kimik3.kernels.variants import Publish
 
 STEP = 4 * VECTOR  # k per warp step: 4 lanes x 16 bytes, two mma k-blocks
@@ -80,6 +82,7 @@ class OprojProducer:
     def kernel(self, x: cute.Tensor, w: cute.Tensor, table, ranks, out, batch: Int32):
         if cutlass.const_expr(self.publish is not None):
             fence_system()  # release: the earlier kernels' re-arms before the publish
+            let_next_launch()
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         i = block // self.ctas_per_rank

@@ -3,7 +3,10 @@ owner where asked, then the AttnRes kernel that completes the all-reduce ("split
 in kernels/oproj.py, which has the algorithm; the fused tail is kernels/fused.py).
 
 The kernels run back to back on the call's stream, so the AttnRes kernel's polls never wait
-on a CTA of a later launch, and no other mailbox call can run between them.
+on a CTA of a later launch, and no other mailbox call can run between them. Each after the
+first is a programmatic dependent launch: it starts while the producer streams its weight,
+reads its saved blocks and weights then, and waits for the kernel before it only where it
+reads the mailbox.
 """
 
 from __future__ import annotations
