@@ -175,11 +175,14 @@ class AttnResKernel:
         after the rows' producers, and then it is their dependent launch: it reads its
         inputs and the saved blocks while they run, and waits for them before the mailbox."""
         batch = cute.size(t.prefix, mode=[0])
-        launch = dependent_launch if cutlass.const_expr(self.v.reduction is not None) else (
-            lambda kernel, **config: kernel.launch(**config))
-        launch(self.kernel(t.vectors(), batch), grid=[CLUSTER, self.ranks * batch, 1],
-               block=[THREADS, 1, 1], cluster=[CLUSTER, 1, 1],
-               smem=_smem_bytes(2, self.exchanged), stream=stream)
+        kernel = self.kernel(t.vectors(), batch)
+        config = dict(grid=[CLUSTER, self.ranks * batch, 1], block=[THREADS, 1, 1],
+                      cluster=[CLUSTER, 1, 1], smem=_smem_bytes(2, self.exchanged),
+                      stream=stream)
+        if cutlass.const_expr(self.v.reduction is not None):  # in a tail
+            dependent_launch(kernel, **config)
+        else:
+            kernel.launch(**config)
 
     @property
     def exchanged(self) -> int:
@@ -219,21 +222,31 @@ class AttnResKernel:
         keys = [(gw, v.eps)]
         if cutlass.const_expr(v.ahead):
             keys.append((load_f32(t.ahead_norm_w, col) * load_f32(t.ahead_proj_w, col), v.eps))
-        # The saved blocks' partial sums first: a tail's reduction waits for its producers.
+        # Every input is read here, before the cluster exchanges and (in a tail) the wait for
+        # the producers, so no load waits behind a barrier; the saved blocks' partial sums too.
         partials = [source_partials(load_f32(t.blocks, (row, s, col)), keys)
                     for s in range(v.sources - 1)]
+        prefix, delta, out_w, mixture, scal = None, None, None, None, None
+        if cutlass.const_expr(v.reduction is None or v.has_delta):
+            prefix = load_f32(t.prefix, (row, col))
+        if cutlass.const_expr(v.reduction is None and v.has_delta):
+            delta = load_f32(t.delta, (row, col))
+        if cutlass.const_expr(v.out_norm):
+            out_w = load_f32(t.out_norm_w, col)
+        if cutlass.const_expr(v.precomputed):
+            mixture, scal = load_f32(t.mixture, (row, col)), (t.scal[row, 0], t.scal[row, 1])
         extra = []
         if cutlass.const_expr(v.reduction is not None):
             reduced, ok = self.reduced(t.table, t.ranks[i], row, col)
             extra = [Float32(1.0) - Float32(ok)]  # this thread's failure, summed per row
             if cutlass.const_expr(v.has_delta):
-                p = (load_f32(t.prefix, (row, col)) + reduced).to(cutlass.BFloat16).to(Float32)
+                p = (prefix + reduced).to(cutlass.BFloat16).to(Float32)
             else:
                 p = reduced
         else:
-            p = load_f32(t.prefix, (row, col))
+            p = prefix
             if cutlass.const_expr(v.has_delta):
-                p = (p + load_f32(t.delta, (row, col))).to(cutlass.BFloat16).to(Float32)
+                p = (p + delta).to(cutlass.BFloat16).to(Float32)
             if cutlass.const_expr(v.stores_prefix):
                 store(t.new_prefix, (item, col), p)
         if cutlass.const_expr(v.write_idx >= 0):
@@ -248,10 +261,10 @@ class AttnResKernel:
             store(t.new_prefix, (item, col), p * scale)
 
         if cutlass.const_expr(v.precomputed):
-            m, s_saved = t.scal[row, 0], t.scal[row, 1]
+            m, s_saved = scal
             top = cute.arch.fmax(m, z[0])
             c, w_p = cute.math.exp(m - top), cute.math.exp(z[0] - top)
-            mix = (load_f32(t.mixture, (row, col)) * c + p * w_p) * (1.0 / (c * s_saved + w_p))
+            mix = (mixture * c + p * w_p) * (1.0 / (c * s_saved + w_p))
         else:
             top = maximum(z)
             e = cute.math.exp(z[v.num_blocks] - top)
@@ -268,7 +281,7 @@ class AttnResKernel:
             sq = cluster_sums([(mix * mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)],
                               norm_warp, norm_cluster, CLUSTER, cta)
             r = cute.math.rsqrt(sq[0] * (1.0 / HIDDEN) + v.out_eps)
-            mix = mix * r * load_f32(t.out_norm_w, col)
+            mix = mix * r * out_w
         if cutlass.const_expr(v.reduction is not None):
             mix = mix * scale
         store(t.out, (item, col), mix)

@@ -23,9 +23,9 @@ the mailbox failed: `Mailbox.check()` raises it. Nothing spins forever.
 custom call: no other mailbox call can run between them. Every kernel of a call but the first
 is a programmatic dependent launch (`dependent_launch`): its predecessor lets it start at
 once, and it waits for that grid (`griddepcontrol.wait`) before it reads anything of the
-mailbox, so the ordering is the kernel boundary's and only its launch overlaps. R = 1 is a mesh rank (its index from
-`axis_index`); R = T is virtual TP (every rank on one GPU: every publish, then every owner,
-then every consumer).
+mailbox, so the ordering is the kernel boundary's and only its launch overlaps. R = 1 is a
+mesh rank (its index from `axis_index`); R = T is virtual TP (every rank on one GPU: every
+publish, then every owner, then every consumer).
 """
 
 from __future__ import annotations
