@@ -222,17 +222,20 @@ class AttnResKernel:
         keys = [(gw, v.eps)]
         if cutlass.const_expr(v.ahead):
             keys.append((load_f32(t.ahead_norm_w, col) * load_f32(t.ahead_proj_w, col), v.eps))
-        # Every input is read here, before the cluster exchanges and (in a tail) the wait for
-        # the producers, so no load waits behind a barrier; the saved blocks' partial sums too.
+        # The inputs are read here, before the cluster exchanges (and a tail's wait for its
+        # producers), so no load waits behind a barrier; the saved blocks' partial sums too.
+        # A kernel that completes a reduction reads the prefix and the output-norm weight
+        # later: the fused tail runs it under a 64-register cap, where holding them across
+        # the poll spills (ptxas: 48 bytes at K = 8).
         partials = [source_partials(load_f32(t.blocks, (row, s, col)), keys)
                     for s in range(v.sources - 1)]
         prefix, delta, out_w, mixture, scal = None, None, None, None, None
-        if cutlass.const_expr(v.reduction is None or v.has_delta):
+        if cutlass.const_expr(v.reduction is None):
             prefix = load_f32(t.prefix, (row, col))
-        if cutlass.const_expr(v.reduction is None and v.has_delta):
-            delta = load_f32(t.delta, (row, col))
-        if cutlass.const_expr(v.out_norm):
-            out_w = load_f32(t.out_norm_w, col)
+            if cutlass.const_expr(v.has_delta):
+                delta = load_f32(t.delta, (row, col))
+            if cutlass.const_expr(v.out_norm):
+                out_w = load_f32(t.out_norm_w, col)
         if cutlass.const_expr(v.precomputed):
             mixture, scal = load_f32(t.mixture, (row, col)), (t.scal[row, 0], t.scal[row, 1])
         extra = []
@@ -240,7 +243,7 @@ class AttnResKernel:
             reduced, ok = self.reduced(t.table, t.ranks[i], row, col)
             extra = [Float32(1.0) - Float32(ok)]  # this thread's failure, summed per row
             if cutlass.const_expr(v.has_delta):
-                p = (prefix + reduced).to(cutlass.BFloat16).to(Float32)
+                p = (load_f32(t.prefix, (row, col)) + reduced).to(cutlass.BFloat16).to(Float32)
             else:
                 p = reduced
         else:
@@ -281,6 +284,8 @@ class AttnResKernel:
             sq = cluster_sums([(mix * mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)],
                               norm_warp, norm_cluster, CLUSTER, cta)
             r = cute.math.rsqrt(sq[0] * (1.0 / HIDDEN) + v.out_eps)
+            if cutlass.const_expr(v.reduction is not None):
+                out_w = load_f32(t.out_norm_w, col)
             mix = mix * r * out_w
         if cutlass.const_expr(v.reduction is not None):
             mix = mix * scale
