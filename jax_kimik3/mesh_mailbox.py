@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_kimik3 import handles
 from jax_kimik3.layout import DEFAULT_TIMEOUT_MS, MailboxLayout, MailboxSpec
 from jax_kimik3.mailbox import Mailbox
 
@@ -73,6 +74,21 @@ def table_array(mesh, axis_name, tables) -> jax.Array:
                                         NamedSharding(mesh, table_spec(mesh)), block)
 
 
+def _give_up(rows, name, reason):
+    """This process gives up on every group of `rows` that spans several processes and has
+    one of its devices, made or not: the other processes' waits in those groups' exchanges
+    stop at once with `reason` (handles.abandon) instead of running out their timeout."""
+    me = jax.process_index()
+    for g, devices in enumerate(rows):
+        processes = tuple(d.process_index for d in devices)
+        if me in processes and len(set(processes)) > 1:
+            try:
+                group = handles.ProcessGroup(f"{name}/group{g}", me, processes)
+            except Exception:  # noqa: BLE001 (no store to tell: the peers time out)
+                continue
+            handles.abandon(group, reason)
+
+
 class MeshMailbox:
     """One Mailbox per group of `mesh`'s devices along `axis_name` (rank r of a group on its
     r-th device along the axis); `table` and `table_spec` are the per-device peer tables and
@@ -112,7 +128,8 @@ class MeshMailbox:
                         timeout_ms=timeout_ms)
             self.table = table_array(mesh, axis_name, {g: m.peer_table
                                                        for g, m in self._groups.items()})
-        except BaseException:
+        except BaseException as e:
+            _give_up(rows, name, f"MeshMailbox: {type(e).__name__}: {e}")
             self.close()
             raise
 

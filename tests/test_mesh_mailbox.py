@@ -160,3 +160,46 @@ def test_mesh_mailbox_serves_its_own_mesh_and_axis():
     with pytest.raises(ValueError, match=r"peer_table has shape=\(5, 2\) dtype=uint32; "
                                          r"expected shape=\(1, 1, 5, 2\)"):
         _reduce_on(mesh, box, table_shape=(5, 2))
+
+
+class _Device:
+    """A GPU device of another process, as far as MeshMailbox reads one (CPU: none exist)."""
+
+    platform = "gpu"
+
+    def __init__(self, id, process_index):
+        self.id, self.process_index, self.local_hardware_id = id, process_index, id // 2
+
+    def __repr__(self):
+        return f"gpu:{self.id} of process {self.process_index}"
+
+
+def test_a_failed_mesh_mailbox_gives_up_on_every_group(monkeypatch):
+    """A process that cannot make its MeshMailbox gives up on every group it shares with
+    other processes, made or not: a peer already waiting in a later group's exchange stops at
+    once with the reason instead of running out the exchange's timeout."""
+    from tests.test_handles import MemoryClient
+
+    from jax_kimik3 import handles, mesh_mailbox
+    from jax_kimik3.store import Abandoned, Store
+
+    client = MemoryClient()
+    monkeypatch.setattr(handles, "Store", lambda: Store(client, process_id=0))
+
+    def fails(devices, **kwargs):
+        raise RuntimeError("cuMemCreate: out of memory")
+
+    monkeypatch.setattr(mesh_mailbox.Mailbox, "for_processes", fails)
+    # ("dp", "tp") = (2, 2): group 0 is devices 0, 1 and group 1 devices 2, 3, each group's
+    # ranks in processes 0 and 1.
+    mesh = Mesh(np.array([_Device(i, i % 2) for i in range(4)]).reshape(2, 2), ("dp", "tp"))
+    with pytest.raises(RuntimeError, match="cuMemCreate: out of memory"):
+        k3.MeshMailbox(mesh, "tp")
+    said = [k for k in client.values if re.search(r"/group1/abandoned/0$", k)]
+    assert len(said) == 1 and any(k.endswith("/group0/abandoned/0") for k in client.values)
+    name = said[0].split("/", 1)[1].rsplit("/", 2)[0]  # the group's name, below the namespace
+    peer = handles.ProcessGroup(name, 1, (0, 1), store=Store(client, process_id=1),
+                                timeout_ms=60_000)
+    with pytest.raises(Abandoned, match=r"process 0: MeshMailbox: RuntimeError: cuMemCreate: "
+                                        r"out of memory"):
+        handles.barrier(peer, "agree")  # returns at once: no 60 s wait
