@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_kimik3 import handles
 from jax_kimik3.layout import DEFAULT_TIMEOUT_MS, MailboxLayout, MailboxSpec
-from jax_kimik3.mailbox import Mailbox
+from jax_kimik3.mailbox import Mailbox, check_gpu_devices
 
 _created = collections.Counter()  # MeshMailboxes made here per mesh and axis (see _name)
 
@@ -105,10 +105,7 @@ class MeshMailbox:
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                              f"{dict(mesh.shape)}")
-        other = sorted({d.platform for d in mesh.devices.flat} - {"gpu"})
-        if other:
-            raise ValueError(f"MeshMailbox needs a mesh of CUDA GPU devices; got devices of "
-                             f"platform {other}: a mailbox lives in GPU memory")
+        check_gpu_devices("MeshMailbox", mesh.devices.flat)
         self.mesh, self.axis_name = mesh, axis_name
         rows = groups(mesh, axis_name)
         self.spec = MailboxSpec(MailboxLayout(rows.shape[1]), multicast, timeout_ms,
