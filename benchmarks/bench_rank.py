@@ -9,7 +9,8 @@ kernel's own GPU time), beside XLA's per-rank work on the same device (XLA's dot
 the peers' rows a psum would bring, the reference AttnRes), and the NVLink transfer a real
 mesh would add (the cost model: the bytes this rank sends at NVLINK_BYTES_PER_S; overlapped
 with nothing here). Each variant's result is checked against the float64 model once. The
-fastest variant per B beside the tuning table's choice. Writes bench_rank.json and .md to --out.
+fastest variant per B beside the tuning table's choice. Writes bench_rank.json (with each
+variant's kernels' own GPU µs: where the span goes) and .md to --out.
 
     python -m benchmarks.bench_rank --out /tmp/bench --batches 1,2,4,8,16,32,64
 """
@@ -135,6 +136,9 @@ def rank_rows(args, tp, bandwidth):
             profile = profile_per_call(step, carry, sets)
             ghost = sum(us for name, us in profile.kernel_us.items() if "GhostPeers" in name)
             row[f"{variant}_us"] = profile.span_us - ghost
+            # Where the span goes: each of the call's kernels' own GPU µs (the rest: gaps).
+            row[f"{variant}_kernels_us"] = {name: us for name, us in profile.kernel_us.items()
+                                            if "GhostPeers" not in name}
             row[f"{variant}_error"] = error
         mailbox.check()
         times = {v: row[f"{v}_us"] for v in args.variants.split(",")}

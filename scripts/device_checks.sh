@@ -136,7 +136,8 @@ if wants profile; then
   # --batches 8"): one pass per kernel (duration, DRAM bytes read, launch shape), clocks as
   # they run, caches flushed before each kernel; the table lists the kernels of the workload.
   # $PROFILE_SECTIONS (e.g. "SpeedOfLight WarpStateStats"): those sections too, for the
-  # kernels matching $PROFILE_KERNELS (a regex), printed to profile_details.txt.
+  # kernels matching $PROFILE_KERNELS (a regex), printed to profile_details.txt (with
+  # SourceCounters, each SASS instruction's stall samples to details/profile_source.csv).
   sections=(); for section in ${PROFILE_SECTIONS:-}; do sections+=(--section "$section"); done
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" ncu --clock-control none \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
@@ -147,6 +148,11 @@ if wants profile; then
   python3 scripts/profile_table.py "$OUT/profile.csv" | tee "$RESULTS/profile.md"
   if [[ -n ${PROFILE_SECTIONS:-} ]]; then
     ncu --import "$OUT/profile.ncu-rep" --page details > "$RESULTS/profile_details.txt" 2>>"$OUT/profile.log"
+    # With SourceCounters: per SASS instruction, its warp-stall samples (where the time goes).
+    if [[ ${PROFILE_SECTIONS} == *SourceCounters* ]]; then
+      ncu --import "$OUT/profile.ncu-rep" --page source --csv --print-source sass \
+        > "$OUT/profile_source.csv" 2>>"$OUT/profile.log"
+    fi
   fi
   summary+=("profile: $(grep -h 'sanitize_kernels:' "$OUT/profile.log")")
 fi
