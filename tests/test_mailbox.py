@@ -221,7 +221,8 @@ MEMORY_MODEL = [  # (what the PTX must hold, why)
 @pytest.mark.parametrize("kind", ["all_reduce", "two_shot", "split", "xla", "fused"])
 def test_memory_model_in_ptx(tmp_path, kind):
     """Every mailbox kernel family emits the stores, polls and fences docs/protocol.md
-    states, and no weak global store or load of a mailbox word (ld.volatile is gone too)."""
+    states, and no weak global store or load of a mailbox word (ld.volatile is gone too);
+    its pollers put every slot's first poll in flight at once."""
     script = f"""
 import functools, jax, jax.numpy as jnp
 import jax_kimik3 as k3
@@ -256,3 +257,12 @@ jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     for name, body in entries(ptx):  # a dependent launch waits before its first mailbox read
         if (name, body) not in publishers:
             assert 0 <= body.find("griddepcontrol.wait") < body.find("ld.relaxed.sys"), name
+    # Every poller issues the first poll of each slot it sums (TP 4; a two-shot consumer
+    # polls one gather slot) after its control words and before it checks any for SENTINEL.
+    armed = re.compile(rf"setp\.\w+\.b32\s+%p\d+, %r\d+, {SENTINEL - (1 << 32)};")
+    pollers = [(name, body) for name, body in entries(ptx) if armed.search(body)]
+    assert pollers
+    for name, body in pollers:
+        slots = 1 if kind == "two_shot" and "consume" in name else 4
+        before = body[:armed.search(body).start()]
+        assert before.count("ld.relaxed.sys.global.v4.u32") >= 1 + slots, name

@@ -41,8 +41,9 @@ from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.geometry import CLUSTER, THREADS, VECTOR, WARP
 from jax_kimik3.layout import WAITER
 from jax_kimik3.kernels.primitives import (call_of, cluster_sums, dependent_launch,
-                                           finish_call, load_f32, one_or_nan, poll_sum, rearm,
-                                           received_slots, store, vectors, wait_for_previous)
+                                           finish_call, load_f32, one_or_nan, poll_sum, prefetch,
+                                           rearm, received_slots, store, vectors,
+                                           wait_for_previous)
 
 HIDDEN = KIMI_K3.hidden_size
 WARPS = THREADS // WARP
@@ -240,6 +241,11 @@ class AttnResKernel:
             mixture, scal = load_f32(t.mixture, (row, col)), (t.scal[row, 0], t.scal[row, 1])
         extra = []
         if cutlass.const_expr(v.reduction is not None):
+            # What it reads after the poll, in L1 by then (a prefetch holds no register).
+            if cutlass.const_expr(v.has_delta):
+                prefetch(t.prefix, (row, col))
+            if cutlass.const_expr(v.out_norm):
+                prefetch(t.out_norm_w, col)
             reduced, ok = self.reduced(t.table, t.ranks[i], row, col)
             extra = [Float32(1.0) - Float32(ok)]  # this thread's failure, summed per row
             if cutlass.const_expr(v.has_delta):

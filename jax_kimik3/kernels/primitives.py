@@ -143,6 +143,20 @@ def wait_for_previous():
     cute.arch.griddepcontrol_wait()
 
 
+@dsl_user_op
+def prefetch_line(address: Int64, *, loc=None, ip=None):
+    """prefetch.global.L1 of the line at `address`: a later load of it hits L1, and no
+    register holds it meanwhile."""
+    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip)], "prefetch.global.L1 [$0];", "l",
+         effects=True, loc=loc, ip=ip)
+
+
+@cute.jit
+def prefetch(vecs: cute.Tensor, index):
+    """Bring vector `index` of `vecs` (as `vectors` views it) into L1 for a later `load_f32`."""
+    prefetch_line(Int64(vecs[(None, index)].iterator.toint()))
+
+
 # Lamport mailbox words: each helper takes a raw 64-bit global address (peer buffers are
 # reached through the unified address space) and moves four 32-bit words = 8 bf16.
 
@@ -393,13 +407,16 @@ def give_up(wait, peer):
 
 
 @cute.jit
-def poll(address: Int64, wait, peer):
+def poll(address: Int64, wait, peer, first=None):
     """(four words, ok): the 16 bytes at `address` once none holds SENTINEL, polled with
-    strong loads. A bounded wait: it stops when `wait.timeout_ns` have passed (the global
-    timer; then it records the timeout, `give_up`) or when the mailbox is marked failed
-    (checked every 16 polls). `ok` (Int32 1) only if the words landed in a call that started
-    on a healthy mailbox; otherwise the caller writes NaN, never these words."""
-    w0, w1, w2, w3 = load_words(address, strong=True)
+    strong loads (`first`: the first poll's words, loaded by the caller). A bounded wait: it
+    stops when `wait.timeout_ns` have passed (the global timer; then it records the timeout,
+    `give_up`) or when the mailbox is marked failed (checked every 16 polls). `ok` (Int32 1)
+    only if the words landed in a call that started on a healthy mailbox; otherwise the
+    caller writes NaN, never these words."""
+    if cutlass.const_expr(first is None):
+        first = load_words(address, strong=True)
+    w0, w1, w2, w3 = first
     stop = wait.failed
     start = global_timer()
     spins = Int32(0)
@@ -421,11 +438,14 @@ def poll(address: Int64, wait, peer):
 def poll_sum(slots: list, peers: list, wait):
     """(eight fp32, ok): the bf16 rows at the `slots` addresses (published by ranks `peers`)
     summed in list (rank) order, each polled until it has landed (`poll`), so every reader of
-    the same slots gets the same bits; NaN where any slot did not land (`ok` 0)."""
-    words, ok = poll(slots[0], wait, peers[0])
+    the same slots gets the same bits; NaN where any slot did not land (`ok` 0). Every
+    slot's first poll is issued before any is checked: one memory round trip for rows that
+    have landed, not one per slot."""
+    firsts = [load_words(slot, strong=True) for slot in slots]
+    words, ok = poll(slots[0], wait, peers[0], firsts[0])
     acc = words_to_f32(words)
     for i in cutlass.range_constexpr(1, len(slots)):
-        words, landed = poll(slots[i], wait, peers[i])
+        words, landed = poll(slots[i], wait, peers[i], firsts[i])
         ok = ok * landed
         values = words_to_f32(words)
         acc = [a + v for a, v in zip(acc, values)]
