@@ -65,11 +65,11 @@ def align(n, to=_ALIGN):
     return (n + to - 1) // to * to
 
 
-def check_timeout_ms(value) -> float:
-    """A wait's bound in ms: a finite number in (0, MAX_TIMEOUT_MS]."""
+def check_timeout_ms(value, name="timeout_ms") -> float:
+    """A wait's bound in ms (the argument `name`): a finite number in (0, MAX_TIMEOUT_MS]."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
             or not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_MS):
-        raise ValueError(f"timeout_ms={value!r} must be a number in (0, {MAX_TIMEOUT_MS:g}] "
+        raise ValueError(f"{name}={value!r} must be a number in (0, {MAX_TIMEOUT_MS:g}] "
                          "(milliseconds a wait may last before it gives up)")
     return float(value)
 

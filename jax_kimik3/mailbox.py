@@ -35,7 +35,7 @@ import numpy as np
 from jax_kimik3 import handles
 from jax_kimik3.config import check_int
 from jax_kimik3.layout import (CONTROL, DEFAULT_TIMEOUT_MS, SENTINEL, WAITERS, MailboxLayout,
-                               MailboxSpec, align, peer_table)
+                               MailboxSpec, align, check_timeout_ms, peer_table)
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
                  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -167,17 +167,21 @@ class Mailbox:
         return cls([d.local_hardware_id for d in devices], MailboxLayout(len(devices)), **kwargs)
 
     @classmethod
-    def for_processes(cls, devices, *, name, **kwargs):
+    def for_processes(cls, devices, *, name, exchange_timeout_ms=handles.EXCHANGE_TIMEOUT_MS,
+                      **kwargs):
         """One buffer on each JAX CUDA device of a TP group whose devices belong to several
         processes (jax.distributed): each process allocates its own ranks' buffers and maps
         the others' through exported handles (jax_kimik3/handles.py). Collective: every
         process with a device in `devices` calls it, with the same `name` (unique per
-        mailbox: it names the exchange in the distributed key-value store)."""
+        mailbox: it names the exchange in the distributed key-value store).
+        `exchange_timeout_ms` bounds each step of that exchange (a peer that never comes)."""
+        check_timeout_ms(exchange_timeout_ms, "exchange_timeout_ms")
         devices = check_gpu_devices("Mailbox.for_processes", devices)
         import jax
 
         group = handles.ProcessGroup(name, jax.process_index(),
-                                     tuple(d.process_index for d in devices))
+                                     tuple(d.process_index for d in devices),
+                                     timeout_ms=exchange_timeout_ms)
         return cls([d.local_hardware_id if group.owns(r) else None
                     for r, d in enumerate(devices)], MailboxLayout(len(devices)), group=group,
                    **kwargs)

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_kimik3 import handles
-from jax_kimik3.layout import DEFAULT_TIMEOUT_MS, MailboxLayout, MailboxSpec
+from jax_kimik3.layout import DEFAULT_TIMEOUT_MS, MailboxLayout, MailboxSpec, check_timeout_ms
 from jax_kimik3.mailbox import Mailbox, check_gpu_devices
 
 _created = collections.Counter()  # MeshMailboxes made here per mesh and axis (see _name)
@@ -92,10 +92,12 @@ def _give_up(rows, name, reason):
 class MeshMailbox:
     """One Mailbox per group of `mesh`'s devices along `axis_name` (rank r of a group on its
     r-th device along the axis); `table` and `table_spec` are the per-device peer tables and
-    their shard_map spec. `multicast`, `timeout_ms` as for Mailbox. Close it (or use it as a
-    context manager); `check()` raises the failure of any group this process serves."""
+    their shard_map spec. `multicast`, `timeout_ms` as for Mailbox, `exchange_timeout_ms` as
+    for Mailbox.for_processes. Close it (or use it as a context manager); `check()` raises
+    the failure of any group this process serves."""
 
-    def __init__(self, mesh, axis_name="tp", *, multicast=False, timeout_ms=DEFAULT_TIMEOUT_MS):
+    def __init__(self, mesh, axis_name="tp", *, multicast=False, timeout_ms=DEFAULT_TIMEOUT_MS,
+                 exchange_timeout_ms=handles.EXCHANGE_TIMEOUT_MS):
         if not isinstance(mesh, jax.sharding.Mesh):
             raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh (of CUDA devices)")
         me = jax.process_index()
@@ -105,6 +107,7 @@ class MeshMailbox:
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                              f"{dict(mesh.shape)}")
+        check_timeout_ms(exchange_timeout_ms, "exchange_timeout_ms")
         check_gpu_devices("MeshMailbox", mesh.devices.flat)
         self.mesh, self.axis_name = mesh, axis_name
         rows = groups(mesh, axis_name)
@@ -122,7 +125,7 @@ class MeshMailbox:
                 else:
                     self._groups[g] = Mailbox.for_processes(
                         devices, name=f"{name}/group{g}", multicast=multicast,
-                        timeout_ms=timeout_ms)
+                        timeout_ms=timeout_ms, exchange_timeout_ms=exchange_timeout_ms)
             self.table = table_array(mesh, axis_name, {g: m.peer_table
                                                        for g, m in self._groups.items()})
         except BaseException as e:

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
-from jax_kimik3 import decode
+from jax_kimik3 import decode, handles
 from jax_kimik3.layout import peer_table
 from jax_kimik3.mesh_mailbox import groups, table_array
 
@@ -203,3 +203,39 @@ def test_a_failed_mesh_mailbox_gives_up_on_every_group(monkeypatch):
     with pytest.raises(Abandoned, match=r"process 0: MeshMailbox: RuntimeError: cuMemCreate: "
                                         r"out of memory"):
         handles.barrier(peer, "agree")  # returns at once: no 60 s wait
+
+
+def test_the_exchange_timeout_reaches_every_group(monkeypatch):
+    """MeshMailbox(exchange_timeout_ms=...) bounds the handle exchange of each group that
+    spans processes: the ProcessGroup of Mailbox.for_processes waits that long, no longer."""
+    from tests.test_handles import MemoryClient
+
+    from jax_kimik3 import mailbox
+    from jax_kimik3.store import Store
+
+    monkeypatch.setattr(handles, "Store", lambda: Store(MemoryClient(), process_id=0))
+    groups = []
+
+    def made(self, local, layout, *, group=None, **kwargs):
+        groups.append(group)
+        raise RuntimeError("stop here: no GPU memory on CPU")
+
+    monkeypatch.setattr(mailbox.Mailbox, "__init__", made)
+    monkeypatch.setattr(handles, "abandon", lambda group, reason: None)
+    mesh = Mesh(np.array([_Device(i, i % 2) for i in range(2)]).reshape(1, 2), ("dp", "tp"))
+    with pytest.raises(RuntimeError, match="stop here"):
+        k3.MeshMailbox(mesh, "tp", exchange_timeout_ms=1_500)
+    assert [g.timeout_ms for g in groups] == [1_500.0]
+    with pytest.raises(RuntimeError, match="stop here"):
+        k3.Mailbox.for_processes(mesh.devices.flat, name="box")
+    assert groups[-1].timeout_ms == handles.EXCHANGE_TIMEOUT_MS
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "5"])
+def test_a_bad_exchange_timeout_is_refused(bad):
+    mesh = Mesh(np.array([_Device(i, i % 2) for i in range(2)]).reshape(1, 2), ("dp", "tp"))
+    with pytest.raises(ValueError, match=rf"exchange_timeout_ms={re.escape(repr(bad))} must "
+                                         r"be a number in \(0, "):
+        k3.MeshMailbox(mesh, "tp", exchange_timeout_ms=bad)
+    with pytest.raises(ValueError, match=r"exchange_timeout_ms=.* must be a number"):
+        k3.Mailbox.for_processes(mesh.devices.flat, name="box", exchange_timeout_ms=bad)
