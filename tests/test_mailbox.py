@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
+from jax_kimik3.kernels.geometry import FUSED_POLLS_AHEAD
 from tests.lowering import entries, kept_ptx
 from jax_kimik3.layout import (BUFFERS, CONTROL, SENTINEL, MailboxLayout, MailboxSpec,
                                peer_table)
@@ -258,11 +259,13 @@ jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         if (name, body) not in publishers:
             assert 0 <= body.find("griddepcontrol.wait") < body.find("ld.relaxed.sys"), name
     # Every poller issues the first poll of each slot it sums (TP 4; a two-shot consumer
-    # polls one gather slot) after its control words and before it checks any for SENTINEL.
+    # polls one gather slot; the fused tail, under its register cap, FUSED_POLLS_AHEAD + 1)
+    # after its control words and before it checks any for SENTINEL.
     armed = re.compile(rf"setp\.\w+\.b32\s+%p\d+, %r\d+, {SENTINEL - (1 << 32)};")
     pollers = [(name, body) for name, body in entries(ptx) if armed.search(body)]
     assert pollers
     for name, body in pollers:
-        slots = 1 if kind == "two_shot" and "consume" in name else 4
+        slots = (1 if kind == "two_shot" and "consume" in name
+                 else FUSED_POLLS_AHEAD + 1 if "Fused" in name else 4)
         before = body[:armed.search(body).start()]
         assert before.count("ld.relaxed.sys.global.v4.u32") >= 1 + slots, name

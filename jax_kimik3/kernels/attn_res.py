@@ -154,9 +154,12 @@ class AttnResKernel:
     """out, new_prefix (and the block write, in place) from prefix, delta (or the mailbox
     reduction of R ranks' rows), blocks, weights: rows [R·B, H] out."""
 
-    def __init__(self, variant: AttnResVariant):
+    def __init__(self, variant: AttnResVariant, *, polls_ahead: int | None = None):
+        """`polls_ahead`: slots whose first polls are in flight at once (None: all of them;
+        `primitives.poll_sum`), fewer where registers are capped."""
         self.v = variant
         self.ranks = variant.ranks
+        self.polls_ahead = polls_ahead
 
     @cute.jit
     def __call__(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
@@ -310,7 +313,7 @@ class AttnResKernel:
         wait_for_previous()  # the call's producers (at once in the fused tail)
         wait = call_of(table, rank, lay, red.spec.timeout_ns, WAITER.TAIL_CONSUMER)
         slots, peers = received_slots(wait, row, col, two_shot=red.two_shot)
-        acc, ok = poll_sum(slots, peers, wait)
+        acc, ok = poll_sum(slots, peers, wait, self.polls_ahead)
         rearm(slots)
         frag = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
         for e in cutlass.range_constexpr(VECTOR):

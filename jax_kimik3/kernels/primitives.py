@@ -435,16 +435,22 @@ def poll(address: Int64, wait, peer, first=None):
 
 
 @cute.jit
-def poll_sum(slots: list, peers: list, wait):
+def poll_sum(slots: list, peers: list, wait, ahead: cutlass.Constexpr = None):
     """(eight fp32, ok): the bf16 rows at the `slots` addresses (published by ranks `peers`)
     summed in list (rank) order, each polled until it has landed (`poll`), so every reader of
-    the same slots gets the same bits; NaN where any slot did not land (`ok` 0). Every
-    slot's first poll is issued before any is checked: one memory round trip for rows that
-    have landed, not one per slot."""
-    firsts = [load_words(slot, strong=True) for slot in slots]
+    the same slots gets the same bits; NaN where any slot did not land (`ok` 0). The first
+    polls of `ahead` slots (None: all) are in flight before the first is checked, and each
+    check issues the next slot's: where the rows have landed, the wait costs one memory round
+    trip per `ahead` slots, not one per slot (4 registers a slot in flight)."""
+    depth = len(slots) if ahead is None else min(ahead, len(slots))
+    firsts = [load_words(slots[i], strong=True) for i in range(depth)]
+    if cutlass.const_expr(depth < len(slots)):
+        firsts.append(load_words(slots[depth], strong=True))
     words, ok = poll(slots[0], wait, peers[0], firsts[0])
     acc = words_to_f32(words)
     for i in cutlass.range_constexpr(1, len(slots)):
+        if cutlass.const_expr(i + depth < len(slots)):
+            firsts.append(load_words(slots[i + depth], strong=True))
         words, landed = poll(slots[i], wait, peers[i], firsts[i])
         ok = ok * landed
         values = words_to_f32(words)
