@@ -155,8 +155,8 @@ class AttnResKernel:
     reduction of R ranks' rows), blocks, weights: rows [R·B, H] out."""
 
     def __init__(self, variant: AttnResVariant, *, polls_ahead: int | None = None):
-        """`polls_ahead`: slots whose first polls are in flight at once (None: all of them;
-        `primitives.poll_sum`), fewer where registers are capped."""
+        """`polls_ahead`: slots past the one it checks whose first polls are in flight
+        (`primitives.poll_sum`; None: every slot's), fewer where registers are capped."""
         self.v = variant
         self.ranks = variant.ranks
         self.polls_ahead = polls_ahead

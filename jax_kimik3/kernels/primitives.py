@@ -438,19 +438,17 @@ def poll(address: Int64, wait, peer, first=None):
 def poll_sum(slots: list, peers: list, wait, ahead: cutlass.Constexpr = None):
     """(eight fp32, ok): the bf16 rows at the `slots` addresses (published by ranks `peers`)
     summed in list (rank) order, each polled until it has landed (`poll`), so every reader of
-    the same slots gets the same bits; NaN where any slot did not land (`ok` 0). The first
-    polls of `ahead` slots (None: all) are in flight before the first is checked, and each
-    check issues the next slot's: where the rows have landed, the wait costs one memory round
-    trip per `ahead` slots, not one per slot (4 registers a slot in flight)."""
-    depth = len(slots) if ahead is None else min(ahead, len(slots))
+    the same slots gets the same bits; NaN where any slot did not land (`ok` 0). While it
+    checks a slot, the first polls of the `ahead` slots after it (None: of every slot) are in
+    flight: where the rows have landed, the wait costs one memory round trip per ahead + 1
+    slots, not one per slot (4 registers a slot in flight)."""
+    depth = len(slots) if ahead is None else min(ahead + 1, len(slots))  # polls in flight
     firsts = [load_words(slots[i], strong=True) for i in range(depth)]
-    if cutlass.const_expr(depth < len(slots)):
-        firsts.append(load_words(slots[depth], strong=True))
     words, ok = poll(slots[0], wait, peers[0], firsts[0])
     acc = words_to_f32(words)
     for i in cutlass.range_constexpr(1, len(slots)):
-        if cutlass.const_expr(i + depth < len(slots)):
-            firsts.append(load_words(slots[i + depth], strong=True))
+        if cutlass.const_expr(i + depth - 1 < len(slots)):
+            firsts.append(load_words(slots[i + depth - 1], strong=True))
         words, landed = poll(slots[i], wait, peers[i], firsts[i])
         ok = ok * landed
         values = words_to_f32(words)
