@@ -139,6 +139,8 @@ def rank_rows(args, tp, bandwidth):
             # Where the span goes: each of the call's kernels' own GPU µs (the rest: gaps).
             row[f"{variant}_kernels_us"] = {name: us for name, us in profile.kernel_us.items()
                                             if "GhostPeers" not in name}
+            # When: each kernel's (start, end) µs from the start of its call's first kernel.
+            row[f"{variant}_timeline_us"] = profile.timeline_us
             row[f"{variant}_error"] = error
         mailbox.check()
         times = {v: row[f"{v}_us"] for v in args.variants.split(",")}

@@ -49,26 +49,42 @@ def _gpu_kernel_events(trace_dir):
 
 def _runs(events):
     """Group kernel events into runs of the chain, split at idle gaps longer than GAP_US:
-    [(span µs, {kernel name: summed µs})]."""
-    runs, start, end, kernels = [], None, None, {}
-    for s, e, name in events:
-        if start is not None and s - end > GAP_US:
-            runs.append((end - start, kernels))
-            start = None
-        if start is None:
-            start, end, kernels = s, e, {}
-        end = max(end, e)
-        kernels[name] = kernels.get(name, 0.0) + e - s
-    if start is not None:
-        runs.append((end - start, kernels))
+    [[(start µs, end µs, name) of each kernel of the run]]."""
+    runs = []
+    for event in events:
+        if not runs or event[0] - max(e for _, e, _ in runs[-1]) > GAP_US:
+            runs.append([])
+        runs[-1].append(event)
     return runs
 
 
+def _timeline(runs, calls):
+    """{kernel name: (median start, median end) µs from its call's first kernel start}, for
+    the kernels that run once per call: the c-th launch of each belongs to call c."""
+    per_call = [name for name in {n for _, _, n in runs[0]}
+                if all(sum(n == name for _, _, n in run) == calls for run in runs)]
+    if not per_call:  # e.g. a kernel that runs twice per call, and nothing else
+        return {}
+    offsets = {name: [] for name in per_call}
+    for run in runs:
+        launches = {name: [(s, e) for s, e, n in run if n == name] for name in per_call}
+        for c in range(calls):
+            first = min(launches[name][c][0] for name in per_call)
+            for name in per_call:
+                s, e = launches[name][c]
+                offsets[name].append((s - first, e - first))
+    medians = {name: tuple(float(v) for v in np.median(np.array(o), axis=0))
+               for name, o in offsets.items()}
+    return dict(sorted(medians.items(), key=lambda item: item[1]))
+
+
 class ChainProfile(NamedTuple):
-    """One call of a chain: its share of the module's GPU span, and each kernel's own GPU µs."""
+    """One call of a chain: its share of the module's GPU span, each kernel's own GPU µs, and
+    when each kernel that runs once per call starts and ends within its call."""
 
     span_us: float
     kernel_us: dict[str, float]
+    timeline_us: dict[str, tuple[float, float]]
 
 
 def profile_per_call(step, carry, input_sets, *, repeats=20) -> ChainProfile:
@@ -91,11 +107,13 @@ def profile_per_call(step, carry, input_sets, *, repeats=20) -> ChainProfile:
     if len(runs) != repeats:
         raise RuntimeError(f"found {len(runs)} runs of the chain in the profile, expected {repeats}")
     calls = len(input_sets)
-    names = set().union(*(kernels for _, kernels in runs))
+    names = sorted({name for run in runs for _, _, name in run})
+    spans = [max(e for _, e, _ in run) - min(s for s, _, _ in run) for run in runs]
     return ChainProfile(
-        span_us=float(np.median([span for span, _ in runs])) / calls,
-        kernel_us={name: float(np.median([k.get(name, 0.0) for _, k in runs])) / calls
-                   for name in sorted(names)})
+        span_us=float(np.median(spans)) / calls,
+        kernel_us={name: float(np.median([sum(e - s for s, e, n in run if n == name)
+                                          for run in runs])) / calls for name in names},
+        timeline_us=_timeline(runs, calls))
 
 
 def time_per_call(step, carry, input_sets, *, repeats=20):

@@ -33,6 +33,7 @@ SENTINEL = 0x80000000  # fp32 -0: a mailbox word no producer can publish (bf16 -
 BUFFERS = 2  # slot buffers; a call uses buffer `calls % 2` (docs/protocol.md: why two suffice)
 DEFAULT_TIMEOUT_MS = 10_000.0  # a wait gives up after this long (Mailbox(timeout_ms=...))
 MAX_TIMEOUT_MS = 600_000.0  # ten minutes: a longer bound is no bound
+POLL_PAUSE_NS = 100  # a poller sleeps this long before each re-poll, leaving the SM to others
 _ALIGN = 256
 
 
@@ -44,7 +45,7 @@ class CONTROL:
     TIMED_OUT = 2  # 1 + CALLS of the call in which this rank's own wait gave up (0: never)
     MISSING = 3  # bit q: this rank's wait gave up on rows of rank q
     WAITER = 4  # which kernel gave up (WAITERS)
-    ARRIVALS = 5  # CTAs of the running call's last kernel that are done (the last advances CALLS)
+    ARRIVALS = 5  # CTAs of the running call's last kernel done with CALLS (the last advances it)
     WORDS = 8
 
 

@@ -214,7 +214,9 @@ MEMORY_MODEL = [  # (what the PTX must hold, why)
     ("st.relaxed.sys.global.v4.b32", "publish and re-arm stores are strong at system scope"),
     ("fence.acq_rel.sys", "publishing kernels fence (release) before their stores"),
     ("%globaltimer", "waits are bounded by time"),
-    ("atom.acq_rel.gpu.global.add.u32", "the last CTA advances the call counter"),
+    ("atom.release.gpu.global.add.u32", "the CTAs of a call's last kernel count their arrivals"),
+    ("fence.acq_rel.gpu", "the last to arrive acquires the others' reads of the counter"),
+    ("red.relaxed.gpu.global.add.u32", "the last CTA advances the call counter"),
     ("red.relaxed.gpu.global.or.b32", "a timeout records the missing ranks"),
 ]
 
@@ -255,9 +257,16 @@ jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert 0 <= body.find("fence.acq_rel.sys") < first.start(), name
         # a call's first kernel lets the next one (a dependent launch) start early
         assert ("griddepcontrol.launch_dependents" in body) == ("Fused" not in name), name
-    for name, body in entries(ptx):  # a dependent launch waits before its first mailbox read
+    for name, body in entries(ptx):  # a dependent launch waits for the kernel before it ...
         if (name, body) not in publishers:
-            assert 0 <= body.find("griddepcontrol.wait") < body.find("ld.relaxed.sys"), name
+            wait = body.find("griddepcontrol.wait")
+            assert wait >= 0, name
+            if "AttnRes" in name:  # ... the tail's AttnRes kernel: before it advances the call
+                assert wait < body.find("red.relaxed.gpu.global.add.u32"), name
+                assert "ld.relaxed.sys.global.v4.u32" in body[:wait], name  # it polled first
+            else:  # ... the others: before they touch the mailbox
+                assert not re.search(r"\b(?:ld|st|atom|red)\.(?:relaxed|acq|release)",
+                                     body[:wait]), name
     # Every poller issues the first poll of each slot it sums (TP 4; a two-shot consumer
     # polls one gather slot; the fused tail, under its register cap, FUSED_POLLS_AHEAD + 1)
     # after its control words and before it checks any for SENTINEL.

@@ -10,7 +10,8 @@ thread owning one 8-wide bf16 vector. Per row:
    instead, where the columns' owners left the sum (kernels/lamport.py has the protocol). R
    ranks per launch: cluster row `item` of R·B is rank item // B's token row item % B. A wait
    that gives up makes the whole row NaN (out and new_prefix): each thread's failure joins
-   the logits' cluster exchange. The last CTA advances the ranks' call counters;
+   the logits' cluster exchange. Every CTA arrives once it has read the control words; the
+   last, once the producers have completed, advances the ranks' call counters;
 2. per source (the K saved blocks, then p) the partial Σv² and Σv·g·w of each thread, summed
    over the cluster through distributed shared memory (`primitives.cluster_sums`);
 3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
@@ -34,13 +35,13 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.geometry import CLUSTER, THREADS, VECTOR, WARP
 from jax_kimik3.layout import WAITER
-from jax_kimik3.kernels.primitives import (call_of, cluster_sums, dependent_launch,
+from jax_kimik3.kernels.primitives import (arrive, call_of, cluster_sums, dependent_launch,
                                            finish_call, load_f32, one_or_nan, poll_sum, prefetch,
                                            rearm, received_slots, store, vectors,
                                            wait_for_previous)
@@ -177,7 +178,7 @@ class AttnResKernel:
     def launch(self, stream, t: AttnResTensors):
         """The kernel on `stream`, one cluster per output row (R·B); the tail calls launch it
         after the rows' producers, and then it is their dependent launch: it reads its
-        inputs and the saved blocks while they run, and waits for them before the mailbox."""
+        inputs and the saved blocks while they run and sums the rows as they land."""
         batch = cute.size(t.prefix, mode=[0])
         kernel = self.kernel(t.vectors(), batch)
         config = dict(grid=[CLUSTER, self.ranks * batch, 1], block=[THREADS, 1, 1],
@@ -198,15 +199,29 @@ class AttnResKernel:
     def kernel(self, t: AttnResTensors, batch: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, item, _ = cute.arch.block_idx()
-        self.row(tidx, cta, item, batch, t)
-        if cutlass.const_expr(self.v.reduction is not None):
-            if tidx == 0:  # the row's barriers: every thread has read the control words
-                finish_call(t.table, t.ranks, self.ranks, self.v.reduction.spec.layout)
+        red = self.v.reduction
+        wait, arrival = None, Uint32(0)
+        if cutlass.const_expr(red is not None):
+            # The control words first, while the producers run: they cannot change before
+            # the call's last kernel has arrived. This CTA reads them once: it arrives now.
+            wait = call_of(t.table, t.ranks[item // batch], red.spec.layout,
+                           red.spec.timeout_ns, WAITER.TAIL_CONSUMER)
+            cute.arch.barrier()
+            if tidx == 0:
+                arrival = arrive(t.table, t.ranks, red.spec.layout)
+        self.row(tidx, cta, item, batch, t, wait)
+        if cutlass.const_expr(red is not None):
+            # The rows were polled as they landed; the call advances only once its producers
+            # have completed, as at a kernel boundary.
+            wait_for_previous()
+            if tidx == 0:
+                finish_call(arrival, t.table, t.ranks, self.ranks, red.spec.layout)
 
     @cute.jit
-    def row(self, tidx, cta, item, batch, t: AttnResTensors):
+    def row(self, tidx, cta, item, batch, t: AttnResTensors, wait=None):
         """Thread `tidx` of cluster CTA `cta` on output row `item` (rank item // batch's
-        token row; steps 1-4 of the module docstring), the tensors seen as vectors.
+        token row; steps 1-4 of the module docstring), the tensors seen as vectors; with a
+        reduction, `wait`: the control words already read (None: it reads them).
         Called by THREADS threads of each of the cluster's CLUSTER CTAs (it has CTA and
         cluster barriers: any other thread of the CTA must have exited); the fused tail
         kernel calls it too, row after row."""
@@ -227,7 +242,7 @@ class AttnResKernel:
         if cutlass.const_expr(v.ahead):
             keys.append((load_f32(t.ahead_norm_w, col) * load_f32(t.ahead_proj_w, col), v.eps))
         # The inputs are read here, before the cluster exchanges (and a tail's wait for its
-        # producers), so no load waits behind a barrier; the saved blocks' partial sums too.
+        # rows), so no load waits behind a barrier; the saved blocks' partial sums too.
         # A kernel that completes a reduction reads the prefix and the output-norm weight
         # later: the fused tail runs it under a 64-register cap, where holding them across
         # the poll spills (ptxas: 48 bytes at K = 8).
@@ -249,7 +264,10 @@ class AttnResKernel:
                 prefetch(t.prefix, (row, col))
             if cutlass.const_expr(v.out_norm):
                 prefetch(t.out_norm_w, col)
-            reduced, ok = self.reduced(t.table, t.ranks[i], row, col)
+            if cutlass.const_expr(wait is None):
+                wait = call_of(t.table, t.ranks[i], v.reduction.spec.layout,
+                               v.reduction.spec.timeout_ns, WAITER.TAIL_CONSUMER)
+            reduced, ok = self.reduced(wait, row, col)
             extra = [Float32(1.0) - Float32(ok)]  # this thread's failure, summed per row
             if cutlass.const_expr(v.has_delta):
                 p = (load_f32(t.prefix, (row, col)) + reduced).to(cutlass.BFloat16).to(Float32)
@@ -304,15 +322,13 @@ class AttnResKernel:
                              t.ahead_scal, item)
 
     @cute.jit
-    def reduced(self, table: cute.Tensor, rank, row, col):
-        """(this thread's 8 columns of the rank-order fp32 sum of the TP mailbox slots,
-        rounded to bf16 (as fp32), ok): or of the gather region the two-shot owners filled
-        with it; what was read is re-armed. NaN where the wait gave up (ok 0)."""
-        red = self.v.reduction
-        lay = red.spec.layout
-        wait_for_previous()  # the call's producers (at once in the fused tail)
-        wait = call_of(table, rank, lay, red.spec.timeout_ns, WAITER.TAIL_CONSUMER)
-        slots, peers = received_slots(wait, row, col, two_shot=red.two_shot)
+    def reduced(self, wait, row, col):
+        """(this thread's 8 columns of the rank-order fp32 sum of the TP mailbox slots of
+        the call `wait`, rounded to bf16 (as fp32), ok): or of the gather region the two-shot
+        owners filled with it; what was read is re-armed. NaN where the wait gave up (ok 0).
+        In a tail it runs while the producers do: a Lamport slot holds the sentinel or this
+        call's row, so each row is summed as soon as it lands."""
+        slots, peers = received_slots(wait, row, col, two_shot=self.v.reduction.two_shot)
         acc, ok = poll_sum(slots, peers, wait, self.polls_ahead)
         rearm(slots)
         frag = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)

@@ -25,7 +25,7 @@ from jax_kimik3.kernels.attn_res import HIDDEN, AttnResTensors
 from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_CTAS_PER_SM, FUSED_POLLS_AHEAD,
                                          PRODUCER_WARPS, ROWS, THREADS, WARP)
-from jax_kimik3.kernels.primitives import fence_system, finish_call
+from jax_kimik3.kernels.primitives import arrive, fence_system, finish_call
 from jax_kimik3.kernels.variants import Publish, tiles
 
 PRODUCER_CTAS = HIDDEN // ROWS  # 448 producer items per rank
@@ -101,7 +101,8 @@ class OprojAttnResFused:
             for row in cutlass.range(cluster, self.ranks * self.batch, self.clusters):
                 self.consumer.row(tidx, cta, row, self.batch, t)
             if tidx == 0:  # the items' barriers: every thread has read the control words
-                finish_call(t.table, t.ranks, self.ranks, self.layout)
+                finish_call(arrive(t.table, t.ranks, self.layout), t.table, t.ranks,
+                            self.ranks, self.layout)
 
 
 @functools.cache

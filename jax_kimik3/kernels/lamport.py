@@ -37,7 +37,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from jax_kimik3.kernels.geometry import FLAT_THREADS, VECTOR, VECTOR_BYTES
-from jax_kimik3.kernels.primitives import (address_of, call_of, dependent_launch,
+from jax_kimik3.kernels.primitives import (address_of, arrive, call_of, dependent_launch,
                                            f32_to_words, fence_system, finish_call,
                                            let_next_launch, load_words, multicast_words,
                                            poison_words, poll, poll_sum, rearm, received_slots,
@@ -192,7 +192,7 @@ class AllReduce:
             rearm(slots)
         cute.arch.barrier()  # every thread of the CTA has read the control words
         if tidx == 0:
-            finish_call(table, ranks, self.ranks, lay)
+            finish_call(arrive(table, ranks, lay), table, ranks, self.ranks, lay)
 
 
 class ArmedCheck:

@@ -14,12 +14,15 @@ Memory semantics of the mailbox (docs/protocol.md has the argument):
   fence costs little; before the publish it waited for the GEMM's loads.) The two-shot owner
   fences between its poll and its gather store, which it makes from what it polled;
 - control words of this rank (call counter, arrivals) are read and written by this rank's
-  kernels only, ordered by kernel boundaries and GPU-scope atomics;
+  kernels only, ordered by kernel boundaries and GPU-scope atomics: each CTA of a call's last
+  kernel `arrive`s (a release) once it is done reading them, and the last one, once the
+  call's other kernels have completed, acquires and advances the counter (`finish_call`);
 - a call's kernels after its first are programmatic dependent launches (`dependent_launch`):
-  they may start while the kernel before them runs, but read and write nothing of the
-  mailbox before `griddepcontrol.wait` (`wait_for_previous`), which returns once that grid has
-  completed and its memory is visible: a kernel boundary for everything the protocol orders.
-  Before it they only load what no kernel of the call writes (saved blocks, weights).
+  they may start while the kernel before them runs; `griddepcontrol.wait`
+  (`wait_for_previous`) returns once that grid has completed and its memory is visible. The
+  owner and consumer touch the mailbox only after it; the tail's AttnRes kernel reads its
+  control words, polls and re-arms before it (a Lamport slot holds the sentinel or this
+  call's row) and waits only before it advances the call.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_kimik3.kernels.geometry import VECTOR, VECTOR_BYTES, WARP
-from jax_kimik3.layout import CONTROL, SENTINEL
+from jax_kimik3.layout import CONTROL, POLL_PAUSE_NS, SENTINEL
 
 NEG_ZERO_BF16 = 0x8000
 NAN_BF16_PAIR = 0x7FC07FC0  # two bf16 quiet NaNs: OR-ed into a word, it reads as NaN
@@ -127,13 +130,13 @@ def dependent_launch(kernel, **launch):
     """Launch `kernel` (a configured kernel call) as a programmatic dependent launch: it may
     start once every CTA of the stream's previous kernel has run
     `griddepcontrol.launch_dependents`, and must `griddepcontrol.wait` (`wait_for_previous`)
-    before it reads what that kernel writes."""
+    before it relies on that kernel having completed."""
     kernel.launch(use_pdl=True, **launch)
 
 
 def let_next_launch():
     """`griddepcontrol.launch_dependents`: the stream's next kernel, if it is a dependent
-    launch, may start now (it waits for this grid before it reads the mailbox)."""
+    launch, may start now."""
     cute.arch.griddepcontrol_launch_dependents()
 
 
@@ -245,12 +248,27 @@ def or_word(address: Int64, bits, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def increment_word(address: Int64, *, loc=None, ip=None):
+    """red.relaxed.gpu.global.add.u32: add 1 to the word at `address` (no result, so no round
+    trip)."""
+    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip)],
+         "red.relaxed.gpu.global.add.u32 [$0], 1;", "l", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def add_word(address: Int64, value, *, loc=None, ip=None):
-    """atom.acq_rel.gpu.global.add.u32: add `value` to the word at `address`; its old value."""
+    """atom.release.gpu.global.add.u32: add `value` to the word at `address`, after this
+    thread's earlier memory operations (and what a CTA barrier showed it); its old value."""
     return Uint32(_asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip),
                                  Uint32(value).ir_value(loc=loc, ip=ip)],
-                       "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r", effects=True,
+                       "atom.release.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r", effects=True,
                        loc=loc, ip=ip))
+
+
+@dsl_user_op
+def fence_gpu(*, loc=None, ip=None):
+    """fence.acq_rel.gpu: after a strong read, an acquire at GPU scope."""
+    _asm(None, [], "fence.acq_rel.gpu;", "", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -271,6 +289,13 @@ def received_slots(wait, row, vec, *, two_shot):
                 [vec // (lay.chunk // VECTOR)])
     return ([wait.mine + Int64(lay.slot(wait.buffer, q)) + within for q in range(lay.tp)],
             list(range(lay.tp)))
+
+
+@dsl_user_op
+def pause(ns: cutlass.Constexpr[int], *, loc=None, ip=None):
+    """nanosleep.u32: this warp sleeps about `ns` nanoseconds (at most twice that), leaving its
+    issue slots to the SM's other warps."""
+    _asm(None, [], f"nanosleep.u32 {ns};", "", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -421,6 +446,7 @@ def poll(address: Int64, wait, peer, first=None):
     start = global_timer()
     spins = Int32(0)
     while is_armed([w0, w1, w2, w3]) & (stop == Int32(0)):
+        pause(POLL_PAUSE_NS)
         w0, w1, w2, w3 = load_words(address, strong=True)
         spins = spins + 1
         if (spins & Int32(15)) == Int32(0):
@@ -464,16 +490,26 @@ def rearm(slots: list):
 
 
 @cute.jit
-def finish_call(table: cute.Tensor, ranks: cute.Tensor, count: cutlass.Constexpr,
+def arrive(table: cute.Tensor, ranks: cute.Tensor, layout: cutlass.Constexpr):
+    """Called by one thread of each CTA of a call's last kernel once every thread of its CTA
+    has read the control words for the last time (after a CTA barrier): counts the CTA in
+    ARRIVALS of the launch's first rank, a release, so those reads come first. Its result (the
+    count before it) is `finish_call`'s; nothing waits for it until then."""
+    return add_word(address_of(table, ranks[0]) + Int64(layout.word(CONTROL.ARRIVALS)),
+                    Uint32(1))
+
+
+@cute.jit
+def finish_call(arrival, table: cute.Tensor, ranks: cute.Tensor, count: cutlass.Constexpr,
                 layout: cutlass.Constexpr):
-    """Called once per CTA of a call's last kernel, by one thread, after every thread of its
-    CTA has read the control words: the last CTA to arrive (ARRIVALS of the launch's first
-    rank) advances the call counter of each of the launch's `count` ranks, so the next call on
-    them uses the other buffer."""
+    """By the thread that `arrive`d, with its result, once every earlier kernel of the call has
+    completed (`wait_for_previous`): the last CTA to arrive acquires every CTA's reads of the
+    control words (the fence), then advances the call counter of each of the launch's `count`
+    ranks, so the next call on them uses the other buffer. The stores need no round trip."""
     gx, gy, gz = cute.arch.grid_dim()
-    first = address_of(table, ranks[0]) + Int64(layout.word(CONTROL.ARRIVALS))
-    if add_word(first, Uint32(1)) == Uint32(gx * gy * gz - 1):
-        store_word(first, Uint32(0))
+    if arrival == Uint32(gx * gy * gz - 1):
+        fence_gpu()
+        store_word(address_of(table, ranks[0]) + Int64(layout.word(CONTROL.ARRIVALS)),
+                   Uint32(0))
         for i in cutlass.range_constexpr(count):
-            calls = address_of(table, ranks[i]) + Int64(layout.word(CONTROL.CALLS))
-            store_word(calls, load_word(calls) + Uint32(1))
+            increment_word(address_of(table, ranks[i]) + Int64(layout.word(CONTROL.CALLS)))

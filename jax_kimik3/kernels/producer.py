@@ -14,8 +14,8 @@ w's 16 rows as A and x as B, one 8-column B tile per 8 tokens:
   vectors: into a plain [B, N] output, or published into the mailbox (lamport.publish_words)
   at the buffer of the rank's call, read from its control words before the GEMM (so the read
   hides under the weight stream); nothing is published on a failed mailbox. A publishing
-  producer lets the call's next kernel launch at once (`griddepcontrol.launch_dependents`),
-  which waits for the producer's grid before it reads the mailbox (kernels/tail.py).
+  producer lets the call's next kernel launch at once (`griddepcontrol.launch_dependents`,
+  kernels/tail.py).
 Token rows past B read row B - 1 (no branch in the loop) and are never stored.
 """
 

@@ -4,9 +4,10 @@ in kernels/oproj.py, which has the algorithm; the fused tail is kernels/fused.py
 
 The kernels run back to back on the call's stream, so the AttnRes kernel's polls never wait
 on a CTA of a later launch, and no other mailbox call can run between them. Each after the
-first is a programmatic dependent launch: it starts while the producer streams its weight,
-reads its saved blocks and weights then, and waits for the kernel before it only where it
-reads the mailbox.
+first is a programmatic dependent launch: it starts while the producer streams its weight.
+The AttnRes kernel reads its saved blocks and weights then, and sums each row of the mailbox
+as it lands; it waits for the kernels before it only to advance the call (docs/protocol.md,
+"Dependent launches").
 """
 
 from __future__ import annotations
