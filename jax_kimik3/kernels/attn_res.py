@@ -202,8 +202,8 @@ class AttnResKernel:
         red = self.v.reduction
         wait, arrival = None, Uint32(0)
         if cutlass.const_expr(red is not None):
-            # The control words first, while the producers run: they cannot change before
-            # the call's last kernel has arrived. This CTA reads them once: it arrives now.
+            # The control words first, while the producers run: CALLS cannot change before
+            # the call's last kernel has arrived. This CTA is done with CALLS: it arrives now.
             wait = call_of(t.table, t.ranks[item // batch], red.spec.layout,
                            red.spec.timeout_ns, WAITER.TAIL_CONSUMER)
             cute.arch.barrier()

@@ -22,8 +22,10 @@ the mailbox failed: `Mailbox.check()` raises it. Nothing spins forever.
 `AllReduce` launches the kernels of one call back to back on the call's stream, as one XLA
 custom call: no other mailbox call can run between them. Every kernel of a call but the first
 is a programmatic dependent launch (`dependent_launch`): its predecessor lets it start at
-once, and it waits for that grid (`griddepcontrol.wait`) before it reads anything of the
-mailbox, so the ordering is the kernel boundary's and only its launch overlaps. R = 1 is a
+once, and the owner and consumer wait for that grid (`griddepcontrol.wait`) before they read
+anything of the mailbox, so the ordering is the kernel boundary's and only their launch
+overlaps (a tail's AttnRes kernel, after the owner, does not: docs/protocol.md, "Dependent
+launches"). R = 1 is a
 mesh rank (its index from `axis_index`); R = T is virtual TP (every rank on one GPU: every
 publish, then every owner, then every consumer).
 """

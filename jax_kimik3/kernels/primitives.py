@@ -492,7 +492,7 @@ def rearm(slots: list):
 @cute.jit
 def arrive(table: cute.Tensor, ranks: cute.Tensor, layout: cutlass.Constexpr):
     """Called by one thread of each CTA of a call's last kernel once every thread of its CTA
-    has read the control words for the last time (after a CTA barrier): counts the CTA in
+    is done with CALLS (after a CTA barrier; FAILED may still be read): counts the CTA in
     ARRIVALS of the launch's first rank, a release, so those reads come first. Its result (the
     count before it) is `finish_call`'s; nothing waits for it until then."""
     return add_word(address_of(table, ranks[0]) + Int64(layout.word(CONTROL.ARRIVALS)),
