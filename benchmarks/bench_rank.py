@@ -60,11 +60,6 @@ def nvlink_us(tp, batch, two_shot):
     return 1e6 * sent / NVLINK_BYTES_PER_S
 
 
-def relative(got, want):
-    got, want = (np.asarray(a, np.float64) for a in (got, want))
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
 def rank_rows(args, tp, bandwidth):
     from benchmarks import ghost_peers
     from jax_kimik3 import tuning
@@ -130,7 +125,7 @@ def rank_rows(args, tp, bandwidth):
                 sets[0]["total"], inp.prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w,
                 inp.out_norm_w, num_blocks=NUM_BLOCKS, has_delta=True,
                 eps=CFG.rms_norm_eps, out_eps=CFG.rms_norm_eps)[0]
-            error = relative(got, want)
+            error = reference.relative_error(got, want)
             if not error < SANITY_BOUND:
                 raise RuntimeError(f"{variant} at B={b}: relative error {error:.3g}")
             profile = profile_per_call(step, carry, sets)

@@ -41,6 +41,7 @@ import jax_kimik3 as k3
 from jax_kimik3.backend import KERNELS_ENV, kernel_mode
 from jax_kimik3.decode import init_params, make_step, rows_spec, table_shape
 from jax_kimik3.mesh_mailbox import table_spec
+from jax_kimik3.reference import relative_error
 
 CFG = k3.KIMI_K3
 H, NB = CFG.hidden_size, CFG.num_attn_res_blocks
@@ -258,7 +259,7 @@ def main(argv=None):
                 want, _ = reference(params, embeddings[s], blocks, None)
                 got, want = (np.concatenate([np.asarray(s.data, np.float32)
                                              for s in a.addressable_shards]) for a in (out, want))
-                rels.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
+                rels.append(relative_error(got, want))
             # Kernels and reference sum in other orders, so an AttnRes output element may land
             # one bf16 ulp (2**-8 relative) apart; each layer can add that much again.
             bound = (args.layers + 1) * 2.0**-8

@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_kimik3.config import KIMI_K3
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 EPS = KIMI_K3.rms_norm_eps  # RMSNorm's epsilon, logits' and output norm's alike
+
+
+def relative_error(got, want) -> float:
+    """‖got − want‖ / ‖want‖ over every element (L2, float64 on the host): how the example,
+    the benchmarks and the sanitizer workload hold a result against its reference."""
+    got, want = (np.asarray(a, np.float64) for a in (got, want))
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def round_bf16(x):

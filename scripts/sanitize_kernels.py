@@ -35,17 +35,12 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def relative(got, want):
-    got, want = (np.asarray(a, np.float64) for a in (got, want))
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-
-
 def attn_res_case(rng, b):
     inp = jax.device_put(attn_res_inputs(rng, b, NB))
     args = (inp.prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w, inp.out_norm_w)
     got = k3.attn_res(*args, num_blocks=4, delta=inp.delta, write_idx=5, backend="kernel")[0]
     want = reference.attn_res(*args, num_blocks=4, delta=inp.delta, write_idx=5)[0]
-    return relative(got, want)
+    return reference.relative_error(got, want)
 
 
 def statistics_case(rng, b):
@@ -54,7 +49,7 @@ def statistics_case(rng, b):
                                  backend="kernel")
     want = reference.attn_res_statistics(inp.blocks, inp.res_norm_w, inp.res_proj_w,
                                          num_blocks=8, eps=CFG.rms_norm_eps)
-    return relative(got.mixture, want[0])
+    return reference.relative_error(got.mixture, want[0])
 
 
 def producer_case(rng, b, tp):
@@ -63,13 +58,13 @@ def producer_case(rng, b, tp):
 
     x, w = (a[..., : a.shape[-1] // tp] for a in oproj_inputs(rng, b))
     got = jax.jit(producer_ops.project)(x, w)
-    return relative(got, reference.oproj_partial(x, w))
+    return reference.relative_error(got, reference.oproj_partial(x, w))
 
 
 def all_reduce_case(rng, b, mailbox, two_shot):
     partials = jnp.asarray(rng.standard_normal((mailbox.tp, b, H)), jnp.bfloat16)
     got = k3.all_reduce_virtual(partials, mailbox, two_shot=two_shot)
-    return relative(got[0], reference.all_reduce_ranks(partials))
+    return reference.relative_error(got[0], reference.all_reduce_ranks(partials))
 
 
 def tail_case(rng, b, mailbox, variant):
@@ -86,7 +81,7 @@ def tail_case(rng, b, mailbox, variant):
         num_blocks=4, has_delta=True, eps=CFG.rms_norm_eps, out_eps=CFG.rms_norm_eps,
         variant=variant))(xs, ws, jnp.asarray(mailbox.peer_table))[0]
     want = reference.oproj_attn_res_virtual(xs, ws, *args, num_blocks=4, has_delta=True)[0]
-    return relative(got[0], want)
+    return reference.relative_error(got[0], want)
 
 
 def main(argv=None):

@@ -137,3 +137,12 @@ def test_rms_norm_range(rng, rms, finite_norm):
         assert ((rms_out > 0.5) & (rms_out < 2)).all()
     else:
         assert (out == 0).all()
+
+
+def test_relative_error_is_the_l2_ratio_in_float64():
+    want = np.array([3.0, 4.0], np.float32)
+    assert reference.relative_error(want, want) == 0.0
+    assert reference.relative_error(np.array([3.0, 4.5]), want) == pytest.approx(0.1, abs=1e-15)
+    # bf16 inputs, computed in float64: one ulp of 1.0 apart in one element of two
+    got, want = (jnp.asarray(v, jnp.bfloat16) for v in ([1.0 + 2.0**-7, 2.0], [1.0, 2.0]))
+    assert reference.relative_error(got, want) == pytest.approx(2.0**-7 / np.sqrt(5), rel=1e-12)
