@@ -204,8 +204,7 @@ class AttnResKernel:
         if cutlass.const_expr(red is not None):
             # The control words first, while the producers run: CALLS cannot change before
             # the call's last kernel has arrived. This CTA is done with CALLS: it arrives now.
-            wait = call_of(t.table, t.ranks[item // batch], red.spec.layout,
-                           red.spec.timeout_ns, WAITER.TAIL_CONSUMER)
+            wait = self.control_words(t, t.ranks[item // batch])
             cute.arch.barrier()
             if tidx == 0:
                 arrival = arrive(t.table, t.ranks, red.spec.layout)
@@ -265,8 +264,7 @@ class AttnResKernel:
             if cutlass.const_expr(v.out_norm):
                 prefetch(t.out_norm_w, col)
             if cutlass.const_expr(wait is None):
-                wait = call_of(t.table, t.ranks[i], v.reduction.spec.layout,
-                               v.reduction.spec.timeout_ns, WAITER.TAIL_CONSUMER)
+                wait = self.control_words(t, t.ranks[i])
             reduced, ok = self.reduced(wait, row, col)
             extra = [Float32(1.0) - Float32(ok)]  # this thread's failure, summed per row
             if cutlass.const_expr(v.has_delta):
@@ -320,6 +318,13 @@ class AttnResKernel:
         if cutlass.const_expr(v.ahead):  # the later site's logits of the saved blocks (not p)
             store_statistics(logits[1][:v.num_blocks], t.blocks, row, col, t.ahead_mixture,
                              t.ahead_scal, item)
+
+    @cute.jit
+    def control_words(self, t: AttnResTensors, rank):
+        """The Wait of the reduction's call: rank `rank`'s control words, read now."""
+        red = self.v.reduction
+        return call_of(t.table, rank, red.spec.layout, red.spec.timeout_ns,
+                       WAITER.TAIL_CONSUMER)
 
     @cute.jit
     def reduced(self, wait, row, col):

@@ -15,8 +15,8 @@ Memory semantics of the mailbox (docs/protocol.md has the argument):
   fences between its poll and its gather store, which it makes from what it polled;
 - control words of this rank (call counter, arrivals) are read and written by this rank's
   kernels only, ordered by kernel boundaries and GPU-scope atomics: each CTA of a call's last
-  kernel `arrive`s (a release) once it is done reading them, and the last one, once the
-  call's other kernels have completed, acquires and advances the counter (`finish_call`);
+  kernel `arrive`s (a release) once it is done with the call counter, and the last one, once
+  the call's other kernels have completed, acquires and advances it (`finish_call`);
 - a call's kernels after its first are programmatic dependent launches (`dependent_launch`):
   they may start while the kernel before them runs; `griddepcontrol.wait`
   (`wait_for_previous`) returns once that grid has completed and its memory is visible. The
@@ -436,7 +436,8 @@ def poll(address: Int64, wait, peer, first=None):
     """(four words, ok): the 16 bytes at `address` once none holds SENTINEL, polled with
     strong loads (`first`: the first poll's words, loaded by the caller). A bounded wait: it
     stops when `wait.timeout_ns` have passed (the global timer; then it records the timeout,
-    `give_up`) or when the mailbox is marked failed (checked every 16 polls). `ok` (Int32 1)
+    `give_up`) or when the mailbox is marked failed (checked every 16 polls); it sleeps
+    POLL_PAUSE_NS before each poll after the first. `ok` (Int32 1)
     only if the words landed in a call that started on a healthy mailbox; otherwise the
     caller writes NaN, never these words."""
     if cutlass.const_expr(first is None):
@@ -504,7 +505,7 @@ def finish_call(arrival, table: cute.Tensor, ranks: cute.Tensor, count: cutlass.
                 layout: cutlass.Constexpr):
     """By the thread that `arrive`d, with its result, once every earlier kernel of the call has
     completed (`wait_for_previous`): the last CTA to arrive acquires every CTA's reads of the
-    control words (the fence), then advances the call counter of each of the launch's `count`
+    call counter (the fence), then advances the call counter of each of the launch's `count`
     ranks, so the next call on them uses the other buffer. The stores need no round trip."""
     gx, gy, gz = cute.arch.grid_dim()
     if arrival == Uint32(gx * gy * gz - 1):
