@@ -221,6 +221,30 @@ MEMORY_MODEL = [  # (what the PTX must hold, why)
 ]
 
 
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_two_shot_tail_counts_an_owners_nan_as_a_failure(tmp_path, two_shot):
+    """After a two-shot reduction the tail's AttnRes kernel tests each gathered vector for NaN
+    (what an owner that gave up sends) as bits, so the row fails whole; one-shot does not."""
+    script = f"""
+import jax, jax.numpy as jnp
+from jax_kimik3.kernels import oproj
+from tests.test_mailbox import spec, table
+s = jax.ShapeDtypeStruct
+t, r = jnp.asarray(table(4)), jnp.zeros((1,), jnp.int32)
+def f(x, w, p, b, g, pw, o):
+    return oproj.tail(x, w, p, b, g, pw, o, table=t, ranks=r, spec=spec(4), num_blocks=3,
+                      has_delta=True, eps=1e-5, out_eps=1e-5, variant="split",
+                      two_shot={two_shot})
+args = [s((1, 4, 3072), jnp.bfloat16), s((1, 7168, 3072), jnp.bfloat16),
+        s((4, 7168), jnp.bfloat16), s((4, 8, 7168), jnp.bfloat16)] + [s((7168,), jnp.bfloat16)] * 3
+jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+"""
+    bodies = [body for name, body in entries(kept_ptx(script, tmp_path)) if "AttnRes" in name]
+    assert len(bodies) == 1
+    nan_test = re.search(r"setp\.\w+\.u32\s+%p\d+, %r\d+, (2139095040|2139095041);", bodies[0])
+    assert bool(nan_test) == two_shot
+
+
 @pytest.mark.parametrize("kind", ["all_reduce", "two_shot", "split", "xla", "fused"])
 def test_memory_model_in_ptx(tmp_path, kind):
     """Every mailbox kernel family emits the stores, polls and fences docs/protocol.md

@@ -42,9 +42,9 @@ from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.geometry import CLUSTER, THREADS, VECTOR, WARP
 from jax_kimik3.layout import WAITER
 from jax_kimik3.kernels.primitives import (arrive, call_of, cluster_sums, dependent_launch,
-                                           finish_call, load_f32, one_or_nan, poll_sum, prefetch,
-                                           rearm, received_slots, store, vectors,
-                                           wait_for_previous)
+                                           finish_call, load_f32, no_nan, one_or_nan,
+                                           poll_sum, prefetch, rearm, received_slots, store,
+                                           vectors, wait_for_previous)
 
 HIDDEN = KIMI_K3.hidden_size
 WARPS = THREADS // WARP
@@ -335,6 +335,10 @@ class AttnResKernel:
         call's row, so each row is summed as soon as it lands."""
         slots, peers = received_slots(wait, row, col, two_shot=self.v.reduction.two_shot)
         acc, ok = poll_sum(slots, peers, wait, self.polls_ahead)
+        if cutlass.const_expr(self.v.reduction.two_shot):
+            # An owner that gave up sends NaN, and marks the mailbox failed where this thread
+            # may not have looked yet: a NaN here is a failure of the row.
+            ok = ok * no_nan(acc)
         rearm(slots)
         frag = cute.make_rmem_tensor(cute.make_layout(VECTOR), Float32)
         for e in cutlass.range_constexpr(VECTOR):

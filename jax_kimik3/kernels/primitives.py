@@ -364,6 +364,16 @@ def poison_f32(values, ok):
 
 
 @cute.jit
+def no_nan(values):
+    """Int32 1 where none of the fp32 `values` is a NaN (compared as bits: fast math cannot
+    fold it away), else 0."""
+    ok = Int32(1)
+    for v in values:
+        ok = ok * Int32((_f32_to_bits(v) & Uint32(0x7FFFFFFF)) <= Uint32(0x7F800000))
+    return ok
+
+
+@cute.jit
 def one_or_nan(ok):
     """1.0 where `ok` (Int32 0/1), else NaN: a factor that poisons a row, exact otherwise."""
     return _bits_to_f32(Uint32(0x3F800000) + (Uint32(1) - Uint32(ok))
