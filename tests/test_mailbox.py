@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
-from jax_kimik3.kernels.geometry import FUSED_POLLS_AHEAD
+from jax_kimik3.kernels.geometry import FUSED_POLLS_AHEAD, HOLDING_MAX_BATCH
 from tests.lowering import entries, kept_ptx
 from jax_kimik3.layout import (BUFFERS, CONTROL, SENTINEL, MailboxLayout, MailboxSpec,
                                peer_table)
@@ -243,6 +243,31 @@ jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert len(bodies) == 1
     nan_test = re.search(r"setp\.\w+\.u32\s+%p\d+, %r\d+, (2139095040|2139095041);", bodies[0])
     assert bool(nan_test) == two_shot
+
+
+@pytest.mark.parametrize("variant, b, holding", [
+    ("split", 4, True), ("split", HOLDING_MAX_BATCH, True), ("split", HOLDING_MAX_BATCH + 1, False),
+    ("xla", 4, False)])
+def test_tail_holds_its_inputs_over_few_rows(tmp_path, variant, b, holding):
+    """A tail's AttnRes kernel over the producer's rows at B <= HOLDING_MAX_BATCH holds what
+    it uses again after the poll in registers; over more rows, or XLA's rows at any B, it
+    prefetches the prefix and output-norm weight into L1 and reads them again."""
+    script = f"""
+import jax, jax.numpy as jnp
+from jax_kimik3.kernels import oproj
+from tests.test_mailbox import spec, table
+s = jax.ShapeDtypeStruct
+t, r = jnp.asarray(table(4)), jnp.zeros((1,), jnp.int32)
+def f(x, w, p, b, g, pw, o):
+    return oproj.tail(x, w, p, b, g, pw, o, table=t, ranks=r, spec=spec(4), num_blocks=3,
+                      has_delta=True, eps=1e-5, out_eps=1e-5, variant={variant!r})
+args = [s((1, {b}, 3072), jnp.bfloat16), s((1, 7168, 3072), jnp.bfloat16),
+        s(({b}, 7168), jnp.bfloat16), s(({b}, 8, 7168), jnp.bfloat16)] + [s((7168,), jnp.bfloat16)] * 3
+jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+"""
+    bodies = [body for name, body in entries(kept_ptx(script, tmp_path)) if "AttnRes" in name]
+    assert len(bodies) == 1
+    assert ("prefetch.global.L1" not in bodies[0]) == holding
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "two_shot", "split", "xla", "fused"])

@@ -39,12 +39,12 @@ from cutlass import Float32, Int32, Uint32
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.variants import AttnResVariant
-from jax_kimik3.kernels.geometry import CLUSTER, THREADS, VECTOR, WARP
+from jax_kimik3.kernels.geometry import CLUSTER, FUSED_POLLS_AHEAD, THREADS, VECTOR, WARP
 from jax_kimik3.layout import WAITER
 from jax_kimik3.kernels.primitives import (arrive, call_of, cluster_sums, dependent_launch,
-                                           finish_call, load_f32, no_nan, one_or_nan,
-                                           poll_sum, prefetch, rearm, received_slots, store,
-                                           vectors, wait_for_previous)
+                                           finish_call, load_f32, load_vector, no_nan,
+                                           one_or_nan, poll_sum, prefetch, rearm,
+                                           received_slots, store, vectors, wait_for_previous)
 
 HIDDEN = KIMI_K3.hidden_size
 WARPS = THREADS // WARP
@@ -155,12 +155,20 @@ class AttnResKernel:
     """out, new_prefix (and the block write, in place) from prefix, delta (or the mailbox
     reduction of R ranks' rows), blocks, weights: rows [R·B, H] out."""
 
-    def __init__(self, variant: AttnResVariant, *, polls_ahead: int | None = None):
-        """`polls_ahead`: slots past the one it checks whose first polls are in flight
-        (`primitives.poll_sum`; None: every slot's), fewer where registers are capped."""
+    def __init__(self, variant: AttnResVariant, *, capped: bool = False, holding: bool = False):
+        """`capped`: the fused tail's row, under its register cap: fewer first polls in
+        flight (FUSED_POLLS_AHEAD slots past the one it checks, not every slot's).
+        `holding`: a tail's kernel over few rows per rank (tail.Tail) holds what it reads
+        again after the poll in registers across it (the saved blocks, the prefix, the
+        output-norm weight), rather than reading it from L1 again."""
+        if holding and (capped or variant.reduction is None):
+            raise ValueError(f"AttnRes kernel: holding=True is for a tail's kernel (a "
+                             f"reduction, not capped); got capped={capped}, "
+                             f"reduction={variant.reduction}")
         self.v = variant
         self.ranks = variant.ranks
-        self.polls_ahead = polls_ahead
+        self.holding = holding
+        self.polls_ahead = FUSED_POLLS_AHEAD if capped else None
 
     @cute.jit
     def __call__(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
@@ -241,13 +249,22 @@ class AttnResKernel:
         if cutlass.const_expr(v.ahead):
             keys.append((load_f32(t.ahead_norm_w, col) * load_f32(t.ahead_proj_w, col), v.eps))
         # The inputs are read here, before the cluster exchanges (and a tail's wait for its
-        # rows), so no load waits behind a barrier; the saved blocks' partial sums too.
-        # A kernel that completes a reduction reads the prefix and the output-norm weight
-        # later: the fused tail runs it under a 64-register cap, where holding them across
-        # the poll spills (ptxas: 48 bytes at K = 8).
-        partials = [source_partials(load_f32(t.blocks, (row, s, col)), keys)
-                    for s in range(v.sources - 1)]
+        # rows), so no load waits behind a barrier; the saved blocks' partial sums too. What
+        # is used again after the poll and the exchange is held (bf16) in registers when
+        # `holding` (read again, it costs a B <= 16 tail 0.4-0.6 µs: benchmarks/RESULTS.md),
+        # else read again from L1: that keeps a B = 64 grid in one wave, and the fused tail's
+        # row under its 64-register cap (held, the prefix and output-norm weight spill 48
+        # bytes at K = 8).
+        saved, partials = [], []
+        for s in cutlass.range_constexpr(v.sources - 1):
+            saved.append(load_vector(t.blocks, (row, s, col)))
+            partials.append(source_partials(saved[-1].to(Float32), keys))
         prefix, delta, out_w, mixture, scal = None, None, None, None, None
+        if cutlass.const_expr(self.holding):
+            if cutlass.const_expr(v.has_delta):
+                prefix = load_vector(t.prefix, (row, col))
+            if cutlass.const_expr(v.out_norm):
+                out_w = load_vector(t.out_norm_w, col)
         if cutlass.const_expr(v.reduction is None):
             prefix = load_f32(t.prefix, (row, col))
             if cutlass.const_expr(v.has_delta):
@@ -258,17 +275,18 @@ class AttnResKernel:
             mixture, scal = load_f32(t.mixture, (row, col)), (t.scal[row, 0], t.scal[row, 1])
         extra = []
         if cutlass.const_expr(v.reduction is not None):
-            # What it reads after the poll, in L1 by then (a prefetch holds no register).
-            if cutlass.const_expr(v.has_delta):
-                prefetch(t.prefix, (row, col))
-            if cutlass.const_expr(v.out_norm):
-                prefetch(t.out_norm_w, col)
+            if cutlass.const_expr(not self.holding):  # in L1 by the poll's end (no register held)
+                if cutlass.const_expr(v.has_delta):
+                    prefetch(t.prefix, (row, col))
+                if cutlass.const_expr(v.out_norm):
+                    prefetch(t.out_norm_w, col)
             if cutlass.const_expr(wait is None):
                 wait = self.control_words(t, t.ranks[i])
             reduced, ok = self.reduced(wait, row, col)
             extra = [Float32(1.0) - Float32(ok)]  # this thread's failure, summed per row
             if cutlass.const_expr(v.has_delta):
-                p = (load_f32(t.prefix, (row, col)) + reduced).to(cutlass.BFloat16).to(Float32)
+                base = prefix.to(Float32) if self.holding else load_f32(t.prefix, (row, col))
+                p = (base + reduced).to(cutlass.BFloat16).to(Float32)
             else:
                 p = reduced
         else:
@@ -298,18 +316,19 @@ class AttnResKernel:
             e = cute.math.exp(z[v.num_blocks] - top)
             total, acc = e, p * e
             for s in cutlass.range_constexpr(v.num_blocks):
-                # Read the block again (an L1 hit) rather than hold K rows of registers
-                # across the cluster exchange: that keeps a B = 64 grid in one wave.
                 e = cute.math.exp(z[s] - top)
                 total = total + e
-                acc = acc + load_f32(t.blocks, (row, s, col)) * e
+                block = saved[s].to(Float32) if self.holding else load_f32(t.blocks, (row, s, col))
+                acc = acc + block * e
             mix = acc * (1.0 / total)
 
         if cutlass.const_expr(v.out_norm):
             sq = cluster_sums([(mix * mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)],
                               norm_warp, norm_cluster, CLUSTER, cta)
             r = cute.math.rsqrt(sq[0] * (1.0 / HIDDEN) + v.out_eps)
-            if cutlass.const_expr(v.reduction is not None):
+            if cutlass.const_expr(self.holding):
+                out_w = out_w.to(Float32)
+            elif cutlass.const_expr(v.reduction is not None):
                 out_w = load_f32(t.out_norm_w, col)
             mix = mix * r * out_w
         if cutlass.const_expr(v.reduction is not None):

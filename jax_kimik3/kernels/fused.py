@@ -23,8 +23,8 @@ from jax_kimik3.kernels import attn_res as attn_res_kernels
 from jax_kimik3.kernels import producer
 from jax_kimik3.kernels.attn_res import HIDDEN, AttnResTensors
 from jax_kimik3.kernels.variants import AttnResVariant
-from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_CTAS_PER_SM, FUSED_POLLS_AHEAD,
-                                         PRODUCER_WARPS, ROWS, THREADS, WARP)
+from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, ROWS,
+                                         THREADS, WARP)
 from jax_kimik3.kernels.primitives import arrive, fence_system, finish_call
 from jax_kimik3.kernels.variants import Publish, tiles
 
@@ -54,7 +54,7 @@ class OprojAttnResFused:
         self.ranks, self.batch, self.k = reduction.ranks, batch, k
         self.producer = producer.OprojProducer(tiles(batch), k, HIDDEN,
                                                Publish(reduction.spec, False), self.ranks)
-        self.consumer = attn_res_kernels.AttnResKernel(variant, polls_ahead=FUSED_POLLS_AHEAD)
+        self.consumer = attn_res_kernels.AttnResKernel(variant, capped=True)
         self.layout = reduction.spec.layout
         items = self.ranks * (PRODUCER_CTAS // CLUSTER + batch)  # in clusters
         self.clusters = min(clusters, items)

@@ -13,4 +13,7 @@ TOKENS = 8  # tokens per producer B tile: the mma's N
 PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 FUSED_CTAS_PER_SM = 4  # the fused tail's register cap (.minnctapersm): <= 64 registers
 FUSED_POLLS_AHEAD = 1  # slots past the one it checks that the fused tail polls ahead (all: spills)
+# Rows per rank up to which a tail's AttnRes kernel holds its inputs in registers across the poll
+# (135 registers instead of 118: at B = 64 its grid leaves one wave; two-shot tails, 2 µs slower).
+HOLDING_MAX_BATCH = 16
 FLAT_THREADS = 128  # per CTA of the flat Lamport kernels (publish, owner, consumer): a vector each

@@ -50,11 +50,17 @@ def vectors(tensor: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def load_f32(vecs: cute.Tensor, index):
-    """The VECTOR elements of vector `index`, converted to fp32 (a TensorSSA)."""
+def load_vector(vecs: cute.Tensor, index):
+    """The VECTOR elements of vector `index`, as stored (a TensorSSA: 8 bf16, four registers)."""
     frag = cute.make_rmem_tensor(cute.size(vecs, mode=[0]), vecs.element_type)
     cute.autovec_copy(vecs[(None, index)], frag)
-    return frag.load().to(Float32)
+    return frag.load()
+
+
+@cute.jit
+def load_f32(vecs: cute.Tensor, index):
+    """The VECTOR elements of vector `index`, converted to fp32 (a TensorSSA)."""
+    return load_vector(vecs, index).to(Float32)
 
 
 @cute.jit

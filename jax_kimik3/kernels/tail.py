@@ -18,6 +18,7 @@ import cutlass
 import cutlass.cute as cute
 
 from jax_kimik3.kernels.attn_res import HIDDEN, AttnResKernel, AttnResTensors
+from jax_kimik3.kernels.geometry import HOLDING_MAX_BATCH, TOKENS
 from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.lamport import AllReduce
 from jax_kimik3.kernels.producer import OprojProducer
@@ -40,7 +41,9 @@ class Tail:
         self.all_reduce = AllReduce(reduction.spec, reduction.ranks, reduction.two_shot)
         self.producer = None if k is None else OprojProducer(
             tiles, k, HIDDEN, Publish(reduction.spec, reduction.two_shot), reduction.ranks)
-        self.consumer = AttnResKernel(variant)
+        # Rows from the producer come in B tiles; rows from XLA's dot, at any B.
+        self.consumer = AttnResKernel(
+            variant, holding=tiles is not None and tiles * TOKENS <= HOLDING_MAX_BATCH)
 
     @cute.jit
     def __call__(self, stream, x, w, rows, prefix: cute.Tensor, blocks: cute.Tensor,
