@@ -251,7 +251,7 @@ class AttnResKernel:
         # The inputs are read here, before the cluster exchanges (and a tail's wait for its
         # rows), so no load waits behind a barrier; the saved blocks' partial sums too. What
         # is used again after the poll and the exchange is held (bf16) in registers when
-        # `holding` (read again, it costs a B <= 16 tail 0.4-0.6 µs: benchmarks/RESULTS.md),
+        # `holding` (read again, it costs a B <= 16 tail 0.1-0.7 µs: benchmarks/RESULTS.md),
         # else read again from L1: that keeps a B = 64 grid in one wave, and the fused tail's
         # row under its 64-register cap (held, the prefix and output-norm weight spill 48
         # bytes at K = 8).
