@@ -221,11 +221,10 @@ MEMORY_MODEL = [  # (what the PTX must hold, why)
 ]
 
 
-@pytest.mark.parametrize("two_shot", [False, True])
-def test_two_shot_tail_counts_an_owners_nan_as_a_failure(tmp_path, two_shot):
-    """After a two-shot reduction the tail's AttnRes kernel tests each gathered vector for NaN
-    (what an owner that gave up sends) as bits, so the row fails whole; one-shot does not."""
-    script = f"""
+def tail_ptx(tmp_path, variant, *, b=4, two_shot=None):
+    """Kept PTX of one rank's tail call at TP 4 (K = 3072, 3 saved blocks, a delta) at B = `b`,
+    lowered for CUDA (`two_shot` None: the table's choice)."""
+    return kept_ptx(f"""
 import jax, jax.numpy as jnp
 from jax_kimik3.kernels import oproj
 from tests.test_mailbox import spec, table
@@ -233,15 +232,27 @@ s = jax.ShapeDtypeStruct
 t, r = jnp.asarray(table(4)), jnp.zeros((1,), jnp.int32)
 def f(x, w, p, b, g, pw, o):
     return oproj.tail(x, w, p, b, g, pw, o, table=t, ranks=r, spec=spec(4), num_blocks=3,
-                      has_delta=True, eps=1e-5, out_eps=1e-5, variant="split",
+                      has_delta=True, eps=1e-5, out_eps=1e-5, variant={variant!r},
                       two_shot={two_shot})
-args = [s((1, 4, 3072), jnp.bfloat16), s((1, 7168, 3072), jnp.bfloat16),
-        s((4, 7168), jnp.bfloat16), s((4, 8, 7168), jnp.bfloat16)] + [s((7168,), jnp.bfloat16)] * 3
+args = [s((1, {b}, 3072), jnp.bfloat16), s((1, 7168, 3072), jnp.bfloat16),
+        s(({b}, 7168), jnp.bfloat16), s(({b}, 8, 7168), jnp.bfloat16)] + [s((7168,), jnp.bfloat16)] * 3
 jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-"""
-    bodies = [body for name, body in entries(kept_ptx(script, tmp_path)) if "AttnRes" in name]
+""", tmp_path)
+
+
+def attn_res_body(ptx):
+    """The one AttnRes kernel body of a tail's PTX."""
+    bodies = [body for name, body in entries(ptx) if "AttnRes" in name]
     assert len(bodies) == 1
-    nan_test = re.search(r"setp\.\w+\.u32\s+%p\d+, %r\d+, (2139095040|2139095041);", bodies[0])
+    return bodies[0]
+
+
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_two_shot_tail_counts_an_owners_nan_as_a_failure(tmp_path, two_shot):
+    """After a two-shot reduction the tail's AttnRes kernel tests each gathered vector for NaN
+    (what an owner that gave up sends) as bits, so the row fails whole; one-shot does not."""
+    body = attn_res_body(tail_ptx(tmp_path, "split", two_shot=two_shot))
+    nan_test = re.search(r"setp\.\w+\.u32\s+%p\d+, %r\d+, (2139095040|2139095041);", body)
     assert bool(nan_test) == two_shot
 
 
@@ -252,22 +263,8 @@ def test_tail_holds_its_inputs_over_few_rows(tmp_path, variant, b, holding):
     """A tail's AttnRes kernel over the producer's rows at B <= HOLDING_MAX_BATCH holds what
     it uses again after the poll in registers; over more rows, or XLA's rows at any B, it
     prefetches the prefix and output-norm weight into L1 and reads them again."""
-    script = f"""
-import jax, jax.numpy as jnp
-from jax_kimik3.kernels import oproj
-from tests.test_mailbox import spec, table
-s = jax.ShapeDtypeStruct
-t, r = jnp.asarray(table(4)), jnp.zeros((1,), jnp.int32)
-def f(x, w, p, b, g, pw, o):
-    return oproj.tail(x, w, p, b, g, pw, o, table=t, ranks=r, spec=spec(4), num_blocks=3,
-                      has_delta=True, eps=1e-5, out_eps=1e-5, variant={variant!r})
-args = [s((1, {b}, 3072), jnp.bfloat16), s((1, 7168, 3072), jnp.bfloat16),
-        s(({b}, 7168), jnp.bfloat16), s(({b}, 8, 7168), jnp.bfloat16)] + [s((7168,), jnp.bfloat16)] * 3
-jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-"""
-    bodies = [body for name, body in entries(kept_ptx(script, tmp_path)) if "AttnRes" in name]
-    assert len(bodies) == 1
-    assert ("prefetch.global.L1" not in bodies[0]) == holding
+    body = attn_res_body(tail_ptx(tmp_path, variant, b=b))
+    assert ("prefetch.global.L1" not in body) == holding
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "two_shot", "split", "xla", "fused"])
@@ -275,26 +272,18 @@ def test_memory_model_in_ptx(tmp_path, kind):
     """Every mailbox kernel family emits the stores, polls and fences docs/protocol.md
     states, and no weak global store or load of a mailbox word (ld.volatile is gone too);
     its pollers put every slot's first poll in flight at once."""
-    script = f"""
-import functools, jax, jax.numpy as jnp
-import jax_kimik3 as k3
-from jax_kimik3.kernels import lamport_ops, oproj
+    if kind in ("all_reduce", "two_shot"):
+        ptx = kept_ptx(f"""
+import jax, jax.numpy as jnp
+from jax_kimik3.kernels import lamport_ops
 from tests.test_mailbox import spec, table
-s = jax.ShapeDtypeStruct
 t, r = jnp.asarray(table(4)), jnp.zeros((1,), jnp.int32)
-kind = {kind!r}
-if kind in ("all_reduce", "two_shot"):
-    f = lambda x: lamport_ops.all_reduce(x, t, r, spec=spec(4), two_shot=kind == "two_shot")
-    args = [s((1, 8, 7168), jnp.bfloat16)]
-else:
-    def f(x, w, p, b, g, pw, o):
-        return oproj.tail(x, w, p, b, g, pw, o, table=t, ranks=r, spec=spec(4), num_blocks=3,
-                          has_delta=True, eps=1e-5, out_eps=1e-5, variant=kind)
-    args = [s((1, 4, 3072), jnp.bfloat16), s((1, 7168, 3072), jnp.bfloat16),
-            s((4, 7168), jnp.bfloat16), s((4, 8, 7168), jnp.bfloat16)] + [s((7168,), jnp.bfloat16)] * 3
-jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-"""
-    ptx = kept_ptx(script, tmp_path)
+f = lambda x: lamport_ops.all_reduce(x, t, r, spec=spec(4), two_shot={kind == "two_shot"})
+jax.jit(f).trace(jax.ShapeDtypeStruct((1, 8, 7168), jnp.bfloat16)).lower(
+    lowering_platforms=("cuda",))
+""", tmp_path)
+    else:
+        ptx = tail_ptx(tmp_path, kind)
     for text, why in MEMORY_MODEL:
         assert text in ptx, why
     assert "ld.volatile" not in ptx
