@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_kimik3 as k3
-from tests.lowering import CUSTOM_CALL, kept_ptx, lower_for_cuda, spec
+from tests.lowering import CUSTOM_CALL, entries, kept_ptx, lower_for_cuda, spec
 
 pytest.importorskip("cutlass")
 
@@ -116,6 +116,28 @@ def test_ptx_is_hopper_cluster_code(tmp_path):
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx  # 16-byte row vectors
+
+
+@pytest.mark.parametrize("stats, exchanges", [(False, 1), (True, 2)],
+                         ids=["saved_blocks", "precomputed"])
+def test_output_norm_shares_the_logits_exchange(tmp_path, stats, exchanges):
+    """Over the saved blocks, the output norm's Σmix² comes from the logits' cluster exchange
+    (the sources' pair sums): one cluster barrier per row. With precomputed statistics it
+    keeps an exchange of its own."""
+    ptx = kept_ptx(f"""
+        import jax, jax.numpy as jnp, jax_kimik3 as k3
+        s = lambda *shape, t=jnp.bfloat16: jax.ShapeDtypeStruct(shape, t)
+        def f(p, d, bl, g, w, o, m, c):
+            stats = k3.AttnResStatistics(m, c, 3) if {stats} else None
+            return k3.attn_res(p, bl, g, w, o, num_blocks=3, delta=d, stats=stats,
+                               backend="kernel")
+        jax.jit(f).trace(s(4, {H}), s(4, {H}), s(4, {NB}, {H}), s({H}), s({H}), s({H}),
+                         s(4, {H}, t=jnp.float32), s(4, 2, t=jnp.float32)).lower(
+            lowering_platforms=("cuda",))
+    """, tmp_path)
+    bodies = [body for name, body in entries(ptx) if "AttnRes" in name]
+    assert len(bodies) == 1
+    assert len(re.findall(r"barrier\.cluster\.arrive(?!\.relaxed)", bodies[0])) == exchanges
 
 
 def test_every_kernel_object_takes_its_signature():

@@ -17,7 +17,9 @@ thread owning one 8-wide bf16 vector. Per row:
 3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
    with precomputed statistics only p is reduced, and mix = (c·acc + w_p·p) / (c·s + w_p);
 4. the output RMSNorm: Σmix² over the cluster, then out = bf16(mix · rsqrt(Σmix²/H + eps) · g_out),
-   or out = bf16(mix) without an output norm.
+   or out = bf16(mix) without an output norm. Over the saved blocks, Σmix² needs no exchange of
+   its own: step 2's exchange also sums each pair of sources' Σv_i·v_j, and
+   Σmix² = Σ_ij a_i a_j Σv_i·v_j (`mix_squares`; in a tail, where its kernel holds its sources).
 The statistics producer runs steps 2-3 over the saved blocks alone and stores the unnormalised
 fp32 mixture Σ e^{z_i-m} b_i and (m, s). Statistics ahead: the AttnRes kernel
 also stores them for a later call site that mixes the same saved blocks under its own weights
@@ -78,16 +80,39 @@ def cluster_logits(partials: list, keys: list, extra: list, warp_buf: cute.Tenso
                    cluster_buf: cute.Tensor, rank):
     """z = Σv·g·w · rsqrt(Σv²/H + eps) of each source from its `source_partials` under each
     key: ([[z of each source] of each key], [cluster sum of each of the `extra` per-thread
-    values]), every sum taken over the cluster in one exchange. Completes the kernel's
-    `cluster_arrive_relaxed` (peers' shared memory exists, they are done with the last row's
-    buffers) before the first DSMEM store."""
+    values], [Σv² of each source]), every sum taken over the cluster in one exchange.
+    Completes the kernel's `cluster_arrive_relaxed` (peers' shared memory exists, they are
+    done with the last row's buffers) before the first DSMEM store."""
     values = [value for source in partials for value in source] + extra
     cute.arch.cluster_wait()
     sums = cluster_sums(values, warp_buf, cluster_buf, CLUSTER, rank)
     per = 1 + len(keys)
     logits = [[sums[per * i + 1 + k] * cute.math.rsqrt(sums[per * i] * (1.0 / HIDDEN) + eps)
                for i in range(len(partials))] for k, (_, eps) in enumerate(keys)]
-    return logits, sums[len(sums) - len(extra):]
+    squares = [sums[per * i] for i in range(len(partials))]
+    return logits, sums[len(sums) - len(extra):], squares
+
+
+@cute.jit
+def pair_partials(sources: list):
+    """This thread's Σv_i·v_j of each pair i < j of the sources (fp32 columns), in the order
+    `mix_squares` reads them."""
+    return [(sources[i] * sources[j]).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            for i in range(len(sources)) for j in range(i + 1, len(sources))]
+
+
+@cute.jit
+def mix_squares(weights: list, squares: list, pairs: list):
+    """Σ mix² over the row of mix = Σ_i weights[i]·v_i, from the sources' Σv_i² and pair
+    sums Σv_i·v_j (cluster sums): Σ_i w_i² Σv_i² + 2 Σ_{i<j} w_i w_j Σv_i·v_j, so the output
+    norm needs no cluster exchange of its own."""
+    total = Float32(0.0)
+    pair = iter(pairs)
+    for i in cutlass.range_constexpr(len(weights)):
+        total = total + weights[i] * weights[i] * squares[i]
+        for j in cutlass.range_constexpr(i + 1, len(weights)):
+            total = total + 2.0 * weights[i] * weights[j] * next(pair)
+    return total
 
 
 @cute.jit
@@ -169,6 +194,10 @@ class AttnResKernel:
         self.ranks = variant.ranks
         self.holding = holding
         self.polls_ahead = FUSED_POLLS_AHEAD if capped else None
+        # The output norm's Σmix² from the logits' exchange (`mix_squares`), where every
+        # source is still in registers when p is known: no poll comes between, or it holds.
+        self.one_exchange = (variant.out_norm and not variant.precomputed
+                             and (variant.reduction is None or holding))
 
     @cute.jit
     def __call__(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
@@ -190,7 +219,8 @@ class AttnResKernel:
         batch = cute.size(t.prefix, mode=[0])
         kernel = self.kernel(t.vectors(), batch)
         config = dict(grid=[CLUSTER, self.ranks * batch, 1], block=[THREADS, 1, 1],
-                      cluster=[CLUSTER, 1, 1], smem=_smem_bytes(2, self.exchanged),
+                      cluster=[CLUSTER, 1, 1],
+                      smem=_smem_bytes(1 if self.one_exchange else 2, self.exchanged),
                       stream=stream)
         if cutlass.const_expr(self.v.reduction is not None):  # in a tail
             dependent_launch(kernel, **config)
@@ -200,8 +230,11 @@ class AttnResKernel:
     @property
     def exchanged(self) -> int:
         """Values per thread in the logits' cluster exchange: Σv² and one Σv·g·w per key of
-        each source, and with a reduction the thread's failure."""
-        return (2 + self.v.ahead) * self.v.sources + (self.v.reduction is not None)
+        each source, with a reduction the thread's failure, and with one exchange the
+        sources' pair sums."""
+        sources = self.v.sources
+        pairs = sources * (sources - 1) // 2 if self.one_exchange else 0
+        return (2 + self.v.ahead) * sources + (self.v.reduction is not None) + pairs
 
     @cute.kernel
     def kernel(self, t: AttnResTensors, batch: cutlass.Int32):
@@ -241,8 +274,11 @@ class AttnResKernel:
         smem = cutlass.memory.SmemAllocator()
         warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
-        norm_warp = smem.allocate_tensor(Float32, _row_major(WARPS, 1), byte_alignment=16)
-        norm_cluster = smem.allocate_tensor(Float32, _row_major(CLUSTER, 1), byte_alignment=16)
+        norm_warp, norm_cluster = None, None
+        if cutlass.const_expr(v.out_norm and not self.one_exchange):
+            norm_warp = smem.allocate_tensor(Float32, _row_major(WARPS, 1), byte_alignment=16)
+            norm_cluster = smem.allocate_tensor(Float32, _row_major(CLUSTER, 1),
+                                                byte_alignment=16)
 
         gw = load_f32(t.res_norm_w, col) * load_f32(t.res_proj_w, col)
         keys = [(gw, v.eps)]
@@ -298,8 +334,12 @@ class AttnResKernel:
         if cutlass.const_expr(v.write_idx >= 0):
             store(t.blocks, (row, v.write_idx, col), p)
 
-        logits, failures = cluster_logits(partials + [source_partials(p, keys)], keys, extra,
-                                          warp_buf, cluster_buf, cta)
+        if cutlass.const_expr(self.one_exchange):
+            extra = extra + pair_partials([block.to(Float32) for block in saved] + [p])
+        logits, sums, squares = cluster_logits(partials + [source_partials(p, keys)], keys,
+                                               extra, warp_buf, cluster_buf, cta)
+        counted = 1 if v.reduction is not None else 0  # `extra`: the failure, then the pairs
+        failures, pairs = sums[:counted], sums[counted:]
         z = logits[0]
         scale = Float32(1.0)
         if cutlass.const_expr(v.reduction is not None):  # NaN over the whole row on a failure
@@ -315,17 +355,22 @@ class AttnResKernel:
             top = maximum(z)
             e = cute.math.exp(z[v.num_blocks] - top)
             total, acc = e, p * e
+            weights = []  # e^{z - top} of the blocks, then of p
             for s in cutlass.range_constexpr(v.num_blocks):
-                e = cute.math.exp(z[s] - top)
-                total = total + e
+                weights.append(cute.math.exp(z[s] - top))
+                total = total + weights[s]
                 block = saved[s].to(Float32) if self.holding else load_f32(t.blocks, (row, s, col))
-                acc = acc + block * e
+                acc = acc + block * weights[s]
+            weights.append(e)
             mix = acc * (1.0 / total)
 
         if cutlass.const_expr(v.out_norm):
-            sq = cluster_sums([(mix * mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)],
-                              norm_warp, norm_cluster, CLUSTER, cta)
-            r = cute.math.rsqrt(sq[0] * (1.0 / HIDDEN) + v.out_eps)
+            if cutlass.const_expr(self.one_exchange):
+                sq = mix_squares(weights, squares, pairs) * (1.0 / (total * total))
+            else:
+                sq = cluster_sums([(mix * mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)],
+                                  norm_warp, norm_cluster, CLUSTER, cta)[0]
+            r = cute.math.rsqrt(sq * (1.0 / HIDDEN) + v.out_eps)
             if cutlass.const_expr(self.holding):
                 out_w = out_w.to(Float32)
             elif cutlass.const_expr(v.reduction is not None):
