@@ -17,9 +17,10 @@ thread owning one 8-wide bf16 vector. Per row:
 3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
    with precomputed statistics only p is reduced, and mix = (c·acc + w_p·p) / (c·s + w_p);
 4. the output RMSNorm: Σmix² over the cluster, then out = bf16(mix · rsqrt(Σmix²/H + eps) · g_out),
-   or out = bf16(mix) without an output norm. Over the saved blocks, Σmix² needs no exchange of
-   its own: step 2's exchange also sums each pair of sources' Σv_i·v_j, and
-   Σmix² = Σ_ij a_i a_j Σv_i·v_j (`mix_squares`; in a tail, where its kernel holds its sources).
+   or out = bf16(mix) without an output norm. Σmix² needs no exchange of its own: step 2's
+   exchange also sums each pair of sources' Σv_i·v_j (with statistics: Σmixture², Σmixture·p),
+   and Σmix² = Σ_ij a_i a_j Σv_i·v_j (`mix_squares`); in a tail only where its kernel holds
+   its sources across the poll.
 The statistics producer runs steps 2-3 over the saved blocks alone and stores the unnormalised
 fp32 mixture Σ e^{z_i-m} b_i and (m, s). Statistics ahead: the AttnRes kernel
 also stores them for a later call site that mixes the same saved blocks under its own weights
@@ -196,8 +197,7 @@ class AttnResKernel:
         self.polls_ahead = FUSED_POLLS_AHEAD if capped else None
         # The output norm's Σmix² from the logits' exchange (`mix_squares`), where every
         # source is still in registers when p is known: no poll comes between, or it holds.
-        self.one_exchange = (variant.out_norm and not variant.precomputed
-                             and (variant.reduction is None or holding))
+        self.one_exchange = variant.out_norm and (variant.reduction is None or holding)
 
     @cute.jit
     def __call__(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,
@@ -230,10 +230,13 @@ class AttnResKernel:
     @property
     def exchanged(self) -> int:
         """Values per thread in the logits' cluster exchange: Σv² and one Σv·g·w per key of
-        each source, with a reduction the thread's failure, and with one exchange the
-        sources' pair sums."""
+        each source, with a reduction the thread's failure, and with one exchange the pair
+        sums of what mix is made of (the sources; with statistics the mixture and p, and the
+        mixture's Σ²)."""
         sources = self.v.sources
-        pairs = sources * (sources - 1) // 2 if self.one_exchange else 0
+        pairs = 0
+        if self.one_exchange:
+            pairs = 2 if self.v.precomputed else sources * (sources - 1) // 2
         return (2 + self.v.ahead) * sources + (self.v.reduction is not None) + pairs
 
     @cute.kernel
@@ -334,7 +337,10 @@ class AttnResKernel:
         if cutlass.const_expr(v.write_idx >= 0):
             store(t.blocks, (row, v.write_idx, col), p)
 
-        if cutlass.const_expr(self.one_exchange):
+        if cutlass.const_expr(self.one_exchange and v.precomputed):
+            extra = extra + [(mixture * mixture).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+                             (mixture * p).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)]
+        elif cutlass.const_expr(self.one_exchange):
             extra = extra + pair_partials([block.to(Float32) for block in saved] + [p])
         logits, sums, squares = cluster_logits(partials + [source_partials(p, keys)], keys,
                                                extra, warp_buf, cluster_buf, cta)
@@ -350,7 +356,11 @@ class AttnResKernel:
             m, s_saved = scal
             top = cute.arch.fmax(m, z[0])
             c, w_p = cute.math.exp(m - top), cute.math.exp(z[0] - top)
-            mix = (mixture * c + p * w_p) * (1.0 / (c * s_saved + w_p))
+            total = c * s_saved + w_p
+            mix = (mixture * c + p * w_p) * (1.0 / total)
+            weights = [c, w_p]  # of the mixture and p
+            if cutlass.const_expr(self.one_exchange):  # Σmixture², then Σmixture·p
+                squares, pairs = [pairs[0], squares[0]], pairs[1:]
         else:
             top = maximum(z)
             e = cute.math.exp(z[v.num_blocks] - top)
