@@ -118,16 +118,21 @@ def test_ptx_is_hopper_cluster_code(tmp_path):
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx  # 16-byte row vectors
 
 
-@pytest.mark.parametrize("stats", [False, True], ids=["saved_blocks", "precomputed"])
-def test_output_norm_shares_the_logits_exchange(tmp_path, stats):
-    """The output norm's Σmix² comes from the logits' cluster exchange (the pair sums of the
-    sources, or of the precomputed mixture and p): one cluster barrier per row."""
+@pytest.mark.parametrize("blocks, stats, exchanges", [(-1, False, 1), (0, False, 2), (8, True, 1)],
+                         ids=["most_saved_blocks_with_one", "fewest_with_two", "precomputed"])
+def test_output_norm_shares_the_logits_exchange(tmp_path, blocks, stats, exchanges):
+    """Over up to GRAM_MAX_SOURCES sources (K saved blocks and p), or precomputed statistics,
+    the output norm's Σmix² comes from the logits' cluster exchange (the pair sums of the
+    sources, or of the mixture and p): one cluster barrier per row; over more, two."""
+    from jax_kimik3.kernels.geometry import GRAM_MAX_SOURCES
+
+    k = blocks if stats else GRAM_MAX_SOURCES + blocks  # K + 1 sources: at the bound, above it
     ptx = kept_ptx(f"""
         import jax, jax.numpy as jnp, jax_kimik3 as k3
         s = lambda *shape, t=jnp.bfloat16: jax.ShapeDtypeStruct(shape, t)
         def f(p, d, bl, g, w, o, m, c):
-            stats = k3.AttnResStatistics(m, c, 3) if {stats} else None
-            return k3.attn_res(p, bl, g, w, o, num_blocks=3, delta=d, stats=stats,
+            stats = k3.AttnResStatistics(m, c, {k}) if {stats} else None
+            return k3.attn_res(p, bl, g, w, o, num_blocks={k}, delta=d, stats=stats,
                                backend="kernel")
         jax.jit(f).trace(s(4, {H}), s(4, {H}), s(4, {NB}, {H}), s({H}), s({H}), s({H}),
                          s(4, {H}, t=jnp.float32), s(4, 2, t=jnp.float32)).lower(
@@ -135,7 +140,7 @@ def test_output_norm_shares_the_logits_exchange(tmp_path, stats):
     """, tmp_path)
     bodies = [body for name, body in entries(ptx) if "AttnRes" in name]
     assert len(bodies) == 1
-    assert len(re.findall(r"barrier\.cluster\.arrive(?!\.relaxed)", bodies[0])) == 1
+    assert len(re.findall(r"barrier\.cluster\.arrive(?!\.relaxed)", bodies[0])) == exchanges
 
 
 def test_every_kernel_object_takes_its_signature():

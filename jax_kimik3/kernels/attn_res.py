@@ -17,10 +17,11 @@ thread owning one 8-wide bf16 vector. Per row:
 3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
    with precomputed statistics only p is reduced, and mix = (c·acc + w_p·p) / (c·s + w_p);
 4. the output RMSNorm: Σmix² over the cluster, then out = bf16(mix · rsqrt(Σmix²/H + eps) · g_out),
-   or out = bf16(mix) without an output norm. Σmix² needs no exchange of its own: step 2's
-   exchange also sums each pair of sources' Σv_i·v_j (with statistics: Σmixture², Σmixture·p),
-   and Σmix² = Σ_ij a_i a_j Σv_i·v_j (`mix_squares`); in a tail only where its kernel holds
-   its sources across the poll.
+   or out = bf16(mix) without an output norm. Over few sources (GRAM_MAX_SOURCES) or
+   precomputed statistics Σmix² needs no exchange of its own: step 2's exchange also sums each
+   pair of sources' Σv_i·v_j (with statistics: Σmixture², Σmixture·p), and
+   Σmix² = Σ_ij a_i a_j Σv_i·v_j (`mix_squares`); in a tail only where its kernel holds its
+   sources across the poll.
 The statistics producer runs steps 2-3 over the saved blocks alone and stores the unnormalised
 fp32 mixture Σ e^{z_i-m} b_i and (m, s). Statistics ahead: the AttnRes kernel
 also stores them for a later call site that mixes the same saved blocks under its own weights
@@ -42,7 +43,8 @@ from cutlass import Float32, Int32, Uint32
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.variants import AttnResVariant
-from jax_kimik3.kernels.geometry import CLUSTER, FUSED_POLLS_AHEAD, THREADS, VECTOR, WARP
+from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_POLLS_AHEAD, GRAM_MAX_SOURCES, THREADS,
+                                         VECTOR, WARP)
 from jax_kimik3.layout import WAITER
 from jax_kimik3.kernels.primitives import (arrive, call_of, cluster_sums, dependent_launch,
                                            finish_call, load_f32, load_vector, no_nan,
@@ -196,8 +198,10 @@ class AttnResKernel:
         self.holding = holding
         self.polls_ahead = FUSED_POLLS_AHEAD if capped else None
         # The output norm's Σmix² from the logits' exchange (`mix_squares`), where every
-        # source is still in registers when p is known: no poll comes between, or it holds.
-        self.one_exchange = variant.out_norm and (variant.reduction is None or holding)
+        # source is still in registers when p is known (no poll comes between, or it holds)
+        # and the pair sums are few (precomputed: two; else up to GRAM_MAX_SOURCES sources).
+        self.one_exchange = (variant.out_norm and (variant.reduction is None or holding)
+                             and (variant.precomputed or variant.sources <= GRAM_MAX_SOURCES))
 
     @cute.jit
     def __call__(self, stream, prefix: cute.Tensor, delta, blocks: cute.Tensor, mixture, scal,

@@ -16,4 +16,7 @@ FUSED_POLLS_AHEAD = 1  # slots past the one it checks that the fused tail polls 
 # Rows per rank up to which a tail's AttnRes kernel holds its inputs in registers across the poll
 # (135 registers instead of 118: at B = 64 its grid leaves one wave; two-shot tails, 2 µs slower).
 HOLDING_MAX_BATCH = 16
+# Sources (saved blocks and p) up to which the logits' cluster exchange also carries each pair's
+# Σv_i·v_j for the output norm, saving it an exchange: n(n-1)/2 more values, a loss above 4.
+GRAM_MAX_SOURCES = 4
 FLAT_THREADS = 128  # per CTA of the flat Lamport kernels (publish, owner, consumer): a vector each
