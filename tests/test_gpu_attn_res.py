@@ -16,7 +16,8 @@ from tests import oracle
 pytestmark = pytest.mark.gpu
 
 BATCHES = (1, 2, 7, 8, 16, 33, 64)
-KS = (0, 1, 3, 4, 8)  # 3 and 4: the most saved blocks with one cluster exchange, the fewest with two
+# K = 3 and 4: the most saved blocks with one cluster exchange per row, the fewest with two.
+KS = (0, 1, 3, 4, 8)
 H, NB = k3.KIMI_K3.hidden_size, k3.KIMI_K3.num_attn_res_blocks
 VARIANTS = list(itertools.product((True, False), (False, True), (True, False), (False, True)))
 VARIANT_IDS = ["-".join(n for n, on in zip(("delta", "write", "norm", "stats"), v) if on) or "plain"
