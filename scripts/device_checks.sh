@@ -89,10 +89,11 @@ fi
 for bench in attn_res all_reduce layer rank; do
   if wants "bench_$bench"; then
     args_var="BENCH_${bench^^}_ARGS"  # e.g. BENCH_LAYER_ARGS, else BENCH_ARGS
+    start=$SECONDS
     python3 -m "benchmarks.bench_$bench" --out "$OUT" ${!args_var:-${BENCH_ARGS:-}} \
       > "$OUT/bench_$bench.log" 2>&1
     status=$?; (( status )) && failed=1
-    summary+=("bench_$bench: exit $status")
+    summary+=("bench_$bench: exit $status in $((SECONDS - start)) s")
     cp "$OUT"/bench_"$bench"*.md "$RESULTS"/ 2>/dev/null
     grep -h -A40 "^|" "$OUT"/bench_"$bench"*.md 2>/dev/null || tail -n 20 "$OUT/bench_$bench.log"
   fi
