@@ -75,7 +75,8 @@ def main(argv=None):
     info = report.meta(read_bandwidth_tbps=bandwidth / 1e12)
     report.write(args.out, "bench_attn_res", info, rows,
                  f"AttnRes kernel vs jitted reference (read {bandwidth / 1e12:.2f} TB/s)", [
-                     ("form", "{form}"), ("B", "{batch}"), ("K", "{k}"), ("kernel µs", "{kernel_us:.2f}"),
+                     ("form", "{form}"), ("B", "{batch}"), ("K", "{k}"),
+                     ("kernel µs", "{kernel_us:.2f}"),
                      ("its kernel's own µs", "{kernel_own_us:.2f}"),
                      ("launch floor µs", "{launch_floor_us:.2f}"),
                      ("reference µs", "{reference_us:.2f}"), ("speedup", "{speedup:.2f}x"),
