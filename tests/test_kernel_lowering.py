@@ -113,8 +113,10 @@ def test_ptx_is_hopper_cluster_code(tmp_path):
             lowering_platforms=("cuda",))
     """, tmp_path)
     assert ".target sm_90a" in ptx
-    assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
-    assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx
+    # The cluster syncs once (relaxed), then the exchanges land on mbarriers.
+    assert "barrier.cluster.arrive.relaxed" in ptx and "barrier.cluster.wait" in ptx
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32" in ptx
+    assert "mapa.shared::cluster" in ptx and "fence.mbarrier_init.release.cluster" in ptx
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx  # 16-byte row vectors
 
 
@@ -123,7 +125,8 @@ def test_ptx_is_hopper_cluster_code(tmp_path):
 def test_output_norm_shares_the_logits_exchange(tmp_path, blocks, stats, exchanges):
     """Over up to GRAM_MAX_SOURCES sources (K saved blocks and p), or precomputed statistics,
     the output norm's Σmix² comes from the logits' cluster exchange (the pair sums of the
-    sources, or of the mixture and p): one cluster barrier per row; over more, two."""
+    sources, or of the mixture and p): one exchange per row (a wait on its mbarrier); over
+    more, two. No exchange is a cluster barrier's release arrive (a GPU-scope fence)."""
     from jax_kimik3.kernels.geometry import GRAM_MAX_SOURCES
 
     k = blocks if stats else GRAM_MAX_SOURCES + blocks  # K + 1 sources: at the bound, above it
@@ -140,7 +143,8 @@ def test_output_norm_shares_the_logits_exchange(tmp_path, blocks, stats, exchang
     """, tmp_path)
     bodies = [body for name, body in entries(ptx) if "AttnRes" in name]
     assert len(bodies) == 1
-    assert len(re.findall(r"barrier\.cluster\.arrive(?!\.relaxed)", bodies[0])) == exchanges
+    assert len(re.findall(r"mbarrier\.try_wait", bodies[0])) == exchanges
+    assert not re.findall(r"barrier\.cluster\.arrive(?!\.relaxed)", bodies[0])
 
 
 def test_every_kernel_object_takes_its_signature():
