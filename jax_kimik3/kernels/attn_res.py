@@ -43,8 +43,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.variants import AttnResVariant
-from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_POLLS_AHEAD, GRAM_MAX_SOURCES, THREADS,
-                                         VECTOR, WARP)
+from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_POLLS_AHEAD, GRAM_MAX_SOURCES,
+                                         STANDALONE_CTAS_PER_SM, THREADS, VECTOR, WARP)
 from jax_kimik3.layout import WAITER
 from jax_kimik3.kernels.primitives import (arm_exchange, arrive, call_of, cluster_sums,
                                            dependent_launch,
@@ -235,7 +235,8 @@ class AttnResKernel:
         if cutlass.const_expr(self.v.reduction is not None):  # in a tail
             dependent_launch(kernel, **config)
         else:
-            kernel.launch(**config)
+            kernel.launch(min_blocks_per_mp=STANDALONE_CTAS_PER_SM,
+                          preferred_smem_carveout=-1, **config)  # -1: no device query
 
     @property
     def exchanged(self) -> int:
@@ -451,6 +452,8 @@ class StatisticsKernel:
         batch = cute.size(blocks, mode=[0])
         self.kernel(vectors(blocks), vectors(res_norm_w), vectors(res_proj_w), vectors(mixture),
                     scal).launch(grid=[CLUSTER, batch, 1], block=[THREADS, 1, 1],
+                                 min_blocks_per_mp=STANDALONE_CTAS_PER_SM,
+                                 preferred_smem_carveout=-1,  # the default (no device query)
                                  cluster=[CLUSTER, 1, 1], smem=_smem_bytes(1, 2 * self.num_blocks),
                                  stream=stream)
 
