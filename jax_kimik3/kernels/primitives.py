@@ -135,6 +135,10 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
     that complete on the peer's mbarrier, and a wait on this CTA's own.
     """
     n = len(values)
+    if cutlass.const_expr(landed is not None and n != cute.size(cluster_buf, mode=[1])):
+        # The mbarrier expects cluster_size·n·4 bytes: another count would hang its wait.
+        raise ValueError(f"cluster_sums: {n} values, but cluster_buf holds "
+                         f"{cute.size(cluster_buf, mode=[1])} per CTA")
     warps = cute.size(warp_buf, mode=[0])
     lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
     tidx, _, _ = cute.arch.thread_idx()
