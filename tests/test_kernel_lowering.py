@@ -2,6 +2,8 @@
 
 import itertools
 import re
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -113,8 +115,10 @@ def test_ptx_is_hopper_cluster_code(tmp_path):
             lowering_platforms=("cuda",))
     """, tmp_path)
     assert ".target sm_90a" in ptx
-    assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
-    assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx
+    # The cluster syncs once (relaxed), then the exchanges land on mbarriers.
+    assert "barrier.cluster.arrive.relaxed" in ptx and "barrier.cluster.wait" in ptx
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32" in ptx
+    assert "mapa.shared::cluster" in ptx and "fence.mbarrier_init.release.cluster" in ptx
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx  # 16-byte row vectors
 
 
@@ -123,7 +127,8 @@ def test_ptx_is_hopper_cluster_code(tmp_path):
 def test_output_norm_shares_the_logits_exchange(tmp_path, blocks, stats, exchanges):
     """Over up to GRAM_MAX_SOURCES sources (K saved blocks and p), or precomputed statistics,
     the output norm's Σmix² comes from the logits' cluster exchange (the pair sums of the
-    sources, or of the mixture and p): one cluster barrier per row; over more, two."""
+    sources, or of the mixture and p): one exchange per row (a wait on its mbarrier); over
+    more, two. No exchange is a cluster barrier's release arrive (a GPU-scope fence)."""
     from jax_kimik3.kernels.geometry import GRAM_MAX_SOURCES
 
     k = blocks if stats else GRAM_MAX_SOURCES + blocks  # K + 1 sources: at the bound, above it
@@ -140,7 +145,40 @@ def test_output_norm_shares_the_logits_exchange(tmp_path, blocks, stats, exchang
     """, tmp_path)
     bodies = [body for name, body in entries(ptx) if "AttnRes" in name]
     assert len(bodies) == 1
-    assert len(re.findall(r"barrier\.cluster\.arrive(?!\.relaxed)", bodies[0])) == exchanges
+    assert len(re.findall(r"mbarrier\.try_wait", bodies[0])) == exchanges
+    assert not re.findall(r"barrier\.cluster\.arrive(?!\.relaxed)", bodies[0])
+
+
+def test_standalone_kernels_have_a_register_budget(tmp_path):
+    """The standalone AttnRes and statistics kernels carry `.minnctapersm`: with a budget ptxas
+    issues every saved block's load at once (without one it holds K = 8 to about 75
+    registers and loads the last blocks a memory round trip later), within what
+    STANDALONE_CTAS_PER_SM CTAs of 128 threads per SM leave, without spilling."""
+    from jax_kimik3.kernels.geometry import STANDALONE_CTAS_PER_SM, THREADS
+
+    ptx = kept_ptx(f"""
+        import jax, jax.numpy as jnp, jax_kimik3 as k3
+        s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        f = lambda p, d, bl, g, w, o: k3.attn_res(p, bl, g, w, o, num_blocks=8, delta=d,
+                                                  backend="kernel")
+        jax.jit(f).trace(s(4, {H}), s(4, {H}), s(4, {NB}, {H}), s({H}), s({H}), s({H})).lower(
+            lowering_platforms=("cuda",))
+        st = lambda bl, g, w: k3.attn_res_statistics(bl, g, w, num_blocks=8, backend="kernel")
+        jax.jit(st).trace(s(4, {NB}, {H}), s({H}), s({H})).lower(lowering_platforms=("cuda",))
+    """, tmp_path)
+    heads = [entry[:entry.find("{")] for entry in re.split(r"\.entry ", ptx)[1:]]
+    kernels = [head for head in heads if "AttnResKernel" in head or "StatisticsKernel" in head]
+    assert len(kernels) == 2
+    for head in kernels:  # the directives between the parameters and the body
+        assert f".minnctapersm {STANDALONE_CTAS_PER_SM}" in head, head[:120]
+    if shutil.which("ptxas"):
+        for i, ptx_file in enumerate(sorted(tmp_path.glob("*.ptx"))):
+            info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx_file), "-o",
+                                   str(tmp_path / f"{i}.cubin")], capture_output=True,
+                                  text=True, check=True).stderr
+            for registers in map(int, re.findall(r"Used (\d+) registers", info)):
+                assert registers <= 65536 // (THREADS * STANDALONE_CTAS_PER_SM), info
+            assert not re.search(r"[1-9]\d* bytes spill stores", info), info
 
 
 def test_every_kernel_object_takes_its_signature():

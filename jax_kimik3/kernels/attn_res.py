@@ -39,14 +39,15 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.variants import AttnResVariant
-from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_POLLS_AHEAD, GRAM_MAX_SOURCES, THREADS,
-                                         VECTOR, WARP)
+from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_POLLS_AHEAD, GRAM_MAX_SOURCES,
+                                         STANDALONE_CTAS_PER_SM, THREADS, VECTOR, WARP)
 from jax_kimik3.layout import WAITER
-from jax_kimik3.kernels.primitives import (arrive, call_of, cluster_sums, dependent_launch,
+from jax_kimik3.kernels.primitives import (arm_exchange, arrive, call_of, cluster_sums,
+                                           dependent_launch,
                                            finish_call, load_f32, load_vector, no_nan,
                                            one_or_nan, poll_sum, prefetch, rearm,
                                            received_slots, store, vectors, wait_for_previous)
@@ -64,8 +65,9 @@ def _row_major(*shape):
 
 
 def _smem_bytes(reductions: int, values: int) -> int:
-    """Shared memory of `reductions` cluster_sums calls of `values` fp32 each."""
-    return 4 * reductions * values * (WARPS + CLUSTER) + 64
+    """Shared memory of `reductions` cluster_sums calls of `values` fp32 each, and their
+    mbarriers."""
+    return 4 * reductions * values * (WARPS + CLUSTER) + 8 * reductions + 64
 
 
 @cute.jit
@@ -80,15 +82,16 @@ def source_partials(source, keys: list):
 
 @cute.jit
 def cluster_logits(partials: list, keys: list, extra: list, warp_buf: cute.Tensor,
-                   cluster_buf: cute.Tensor, rank):
+                   cluster_buf: cute.Tensor, rank, landed=None):
     """z = Σv·g·w · rsqrt(Σv²/H + eps) of each source from its `source_partials` under each
     key: ([[z of each source] of each key], [cluster sum of each of the `extra` per-thread
     values], [Σv² of each source]), every sum taken over the cluster in one exchange.
     Completes the kernel's `cluster_arrive_relaxed` (peers' shared memory exists, they are
-    done with the last row's buffers) before the first DSMEM store."""
+    done with the last row's buffers) before the first DSMEM store; `landed`: as in
+    `cluster_sums`."""
     values = [value for source in partials for value in source] + extra
     cute.arch.cluster_wait()
-    sums = cluster_sums(values, warp_buf, cluster_buf, CLUSTER, rank)
+    sums = cluster_sums(values, warp_buf, cluster_buf, CLUSTER, rank, landed)
     per = 1 + len(keys)
     logits = [[sums[per * i + 1 + k] * cute.math.rsqrt(sums[per * i] * (1.0 / HIDDEN) + eps)
                for i in range(len(partials))] for k, (_, eps) in enumerate(keys)]
@@ -197,6 +200,9 @@ class AttnResKernel:
         self.ranks = variant.ranks
         self.holding = holding
         self.polls_ahead = FUSED_POLLS_AHEAD if capped else None
+        # One row per cluster, so one exchange per mbarrier: the exchanges land on mbarriers
+        # (`cluster_sums(landed=)`). The fused tail runs row after row: cluster barriers.
+        self.landing = not capped
         # The output norm's Σmix² from the logits' exchange (`mix_squares`), where every
         # source is still in registers when p is known (no poll comes between, or it holds)
         # and the pair sums are few (precomputed: two; else up to GRAM_MAX_SOURCES sources).
@@ -229,7 +235,8 @@ class AttnResKernel:
         if cutlass.const_expr(self.v.reduction is not None):  # in a tail
             dependent_launch(kernel, **config)
         else:
-            kernel.launch(**config)
+            kernel.launch(min_blocks_per_mp=STANDALONE_CTAS_PER_SM,
+                          preferred_smem_carveout=-1, **config)  # -1: no device query
 
     @property
     def exchanged(self) -> int:
@@ -273,7 +280,6 @@ class AttnResKernel:
         cluster barriers: any other thread of the CTA must have exited); the fused tail
         kernel calls it too, row after row."""
         v = self.v
-        cute.arch.cluster_arrive_relaxed()  # peers' shared memory must exist before DSMEM stores
         col = cta * THREADS + tidx
         i = item // batch
         row = item - i * batch
@@ -282,10 +288,20 @@ class AttnResKernel:
         warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
         norm_warp, norm_cluster = None, None
-        if cutlass.const_expr(v.out_norm and not self.one_exchange):
+        two_exchanges = v.out_norm and not self.one_exchange
+        if cutlass.const_expr(two_exchanges):
             norm_warp = smem.allocate_tensor(Float32, _row_major(WARPS, 1), byte_alignment=16)
             norm_cluster = smem.allocate_tensor(Float32, _row_major(CLUSTER, 1),
                                                 byte_alignment=16)
+        landed, norm_landed = None, None  # one row per cluster: an mbarrier per exchange
+        if cutlass.const_expr(self.landing):
+            landed = smem.allocate_array(Int64, 2)
+            norm_landed = landed + 1
+            if tidx == 0:
+                arm_exchange(landed, n, CLUSTER)
+                if cutlass.const_expr(two_exchanges):
+                    arm_exchange(norm_landed, 1, CLUSTER)
+        cute.arch.cluster_arrive_relaxed()  # peers' shared memory must exist before DSMEM stores
 
         gw = load_f32(t.res_norm_w, col) * load_f32(t.res_proj_w, col)
         keys = [(gw, v.eps)]
@@ -347,7 +363,7 @@ class AttnResKernel:
         elif cutlass.const_expr(self.one_exchange):
             extra = extra + pair_partials([block.to(Float32) for block in saved] + [p])
         logits, sums, squares = cluster_logits(partials + [source_partials(p, keys)], keys,
-                                               extra, warp_buf, cluster_buf, cta)
+                                               extra, warp_buf, cluster_buf, cta, landed)
         counted = 1 if v.reduction is not None else 0  # `extra`: the failure, then the pairs
         failures, pairs = sums[:counted], sums[counted:]
         z = logits[0]
@@ -383,7 +399,7 @@ class AttnResKernel:
                 sq = mix_squares(weights, squares, pairs) * (1.0 / (total * total))
             else:
                 sq = cluster_sums([(mix * mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)],
-                                  norm_warp, norm_cluster, CLUSTER, cta)[0]
+                                  norm_warp, norm_cluster, CLUSTER, cta, norm_landed)[0]
             r = cute.math.rsqrt(sq * (1.0 / HIDDEN) + v.out_eps)
             if cutlass.const_expr(self.holding):
                 out_w = out_w.to(Float32)
@@ -436,6 +452,8 @@ class StatisticsKernel:
         batch = cute.size(blocks, mode=[0])
         self.kernel(vectors(blocks), vectors(res_norm_w), vectors(res_proj_w), vectors(mixture),
                     scal).launch(grid=[CLUSTER, batch, 1], block=[THREADS, 1, 1],
+                                 min_blocks_per_mp=STANDALONE_CTAS_PER_SM,
+                                 preferred_smem_carveout=-1,  # the default (no device query)
                                  cluster=[CLUSTER, 1, 1], smem=_smem_bytes(1, 2 * self.num_blocks),
                                  stream=stream)
 
@@ -444,16 +462,19 @@ class StatisticsKernel:
                mixture: cute.Tensor, scal: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         rank, row, _ = cute.arch.block_idx()
-        cute.arch.cluster_arrive_relaxed()
         col = rank * THREADS + tidx
         n = 2 * self.num_blocks
         smem = cutlass.memory.SmemAllocator()
         warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
+        landed = smem.allocate_array(Int64, 1)
+        if tidx == 0:
+            arm_exchange(landed, n, CLUSTER)
+        cute.arch.cluster_arrive_relaxed()
         keys = [(load_f32(res_norm_w, col) * load_f32(res_proj_w, col), self.eps)]
         partials = [source_partials(load_f32(blocks, (row, i, col)), keys)
                     for i in range(self.num_blocks)]
-        z = cluster_logits(partials, keys, [], warp_buf, cluster_buf, rank)[0][0]
+        z = cluster_logits(partials, keys, [], warp_buf, cluster_buf, rank, landed)[0][0]
         store_statistics(z, blocks, row, col, mixture, scal, row)
 
 

@@ -19,4 +19,9 @@ HOLDING_MAX_BATCH = 16
 # Sources (saved blocks and p) up to which the logits' cluster exchange also carries each pair's
 # Σv_i·v_j for the output norm, saving it an exchange: n(n-1)/2 more values, a loss above 4.
 GRAM_MAX_SOURCES = 4
+# A register budget (.minnctapersm) for the standalone AttnRes and statistics kernels: without
+# one ptxas keeps them near 75 registers and issues the last saved blocks' loads only after the
+# first ones have landed (two memory round trips at K = 8); with it, every load at once (117
+# registers at K = 8), and a B = 64 grid (448 CTAs of 128 threads) still fits in one wave.
+STANDALONE_CTAS_PER_SM = 4
 FLAT_THREADS = 128  # per CTA of the flat Lamport kernels (publish, owner, consumer): a vector each

@@ -87,9 +87,39 @@ def store_to_peer_f32(local: cute.Pointer, peer, value, *, loc=None, ip=None):
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def store_to_peer_async_f32(local: cute.Pointer, landed: cute.Pointer, peer, value, *, loc=None,
+                            ip=None):
+    """`st.async` of `value` at CTA `peer`'s copy of shared address `local`, completing 4 bytes
+    of the transaction count of `peer`'s copy of the mbarrier `landed`: the peer waits on its
+    mbarrier, and neither side needs a cluster barrier (whose release arrive is a GPU-scope
+    fence that waits for this thread's global stores)."""
+    llvm.inline_asm(
+        None,
+        [Int32(local.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
+         Int32(landed.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
+         Int32(peer).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 remote, bar; mapa.shared::cluster.u32 remote, $0, $2; "
+        "mapa.shared::cluster.u32 bar, $1, $2; "
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [remote], $3, [bar]; }",
+        "r,r,r,f", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@cute.jit
+def arm_exchange(landed: cute.Pointer, values: cutlass.Constexpr, cluster_size: cutlass.Constexpr):
+    """Thread 0's set-up of one `cluster_sums(landed=)` exchange of `values` fp32 per CTA, before
+    the kernel's `cluster_arrive_relaxed` (which, after `fence.mbarrier_init`, makes it visible
+    to the peers): an mbarrier of one arrival, that arrival made, expecting the
+    cluster_size·values·4 bytes the CTAs will store into this CTA."""
+    cute.arch.mbarrier_init(landed, 1)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.mbarrier_arrive_and_expect_tx(landed, 4 * cluster_size * values)
+
+
 @cute.jit
 def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
-                 cluster_size: cutlass.Constexpr, rank):
+                 cluster_size: cutlass.Constexpr, rank, landed=None):
     """Sum each per-thread fp32 in `values` over every thread of every CTA of the cluster.
 
     1. a butterfly warp sum; 2. lane 0 writes warp totals to `warp_buf` [warps, n];
@@ -100,9 +130,15 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
     4. a cluster barrier (arrive: release, wait: acquire) publishes the stores;
     5. every thread adds the slots in rank order, so all CTAs hold bitwise-equal sums.
     The caller must have synchronised the cluster once since launch (peers' shared memory
-    exists), and gives each call its own `cluster_buf`.
+    exists), and gives each call its own `cluster_buf`. With `landed` (this CTA's mbarrier,
+    set up by `arm_exchange`; one exchange per mbarrier) steps 3-4 are `st.async` stores
+    that complete on the peer's mbarrier, and a wait on this CTA's own.
     """
     n = len(values)
+    if cutlass.const_expr(landed is not None and n != cute.size(cluster_buf, mode=[1])):
+        # The mbarrier expects cluster_size·n·4 bytes: another count would hang its wait.
+        raise ValueError(f"cluster_sums: {n} values, but cluster_buf holds "
+                         f"{cute.size(cluster_buf, mode=[1])} per CTA")
     warps = cute.size(warp_buf, mode=[0])
     lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
     tidx, _, _ = cute.arch.thread_idx()
@@ -120,9 +156,15 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
             cta = Float32(0.0)
             for w in cutlass.range_constexpr(warps):
                 cta = cta + warp_buf[w, k]
-            store_to_peer_f32(cluster_buf.iterator + (rank * n + k), peer, cta)
-    cute.arch.cluster_arrive()
-    cute.arch.cluster_wait()
+            if cutlass.const_expr(landed is None):
+                store_to_peer_f32(cluster_buf.iterator + (rank * n + k), peer, cta)
+            else:
+                store_to_peer_async_f32(cluster_buf.iterator + (rank * n + k), landed, peer, cta)
+    if cutlass.const_expr(landed is None):
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+    else:
+        cute.arch.mbarrier_wait(landed, 0)
     sums = []
     for k in cutlass.range_constexpr(n):
         acc = Float32(0.0)
