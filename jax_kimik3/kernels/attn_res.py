@@ -298,9 +298,9 @@ class AttnResKernel:
             landed = smem.allocate_array(Int64, 2)
             norm_landed = landed + 1
             if tidx == 0:
-                arm_exchange(landed, n, CLUSTER)
+                arm_exchange(landed)
                 if cutlass.const_expr(two_exchanges):
-                    arm_exchange(norm_landed, 1, CLUSTER)
+                    arm_exchange(norm_landed)
         cute.arch.cluster_arrive_relaxed()  # peers' shared memory must exist before DSMEM stores
 
         gw = load_f32(t.res_norm_w, col) * load_f32(t.res_proj_w, col)
@@ -469,7 +469,7 @@ class StatisticsKernel:
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
         landed = smem.allocate_array(Int64, 1)
         if tidx == 0:
-            arm_exchange(landed, n, CLUSTER)
+            arm_exchange(landed)
         cute.arch.cluster_arrive_relaxed()
         keys = [(load_f32(res_norm_w, col) * load_f32(res_proj_w, col), self.eps)]
         partials = [source_partials(load_f32(blocks, (row, i, col)), keys)

@@ -107,14 +107,12 @@ def store_to_peer_async_f32(local: cute.Pointer, landed: cute.Pointer, peer, val
 
 
 @cute.jit
-def arm_exchange(landed: cute.Pointer, values: cutlass.Constexpr, cluster_size: cutlass.Constexpr):
-    """Thread 0's set-up of one `cluster_sums(landed=)` exchange of `values` fp32 per CTA, before
-    the kernel's `cluster_arrive_relaxed` (which, after `fence.mbarrier_init`, makes it visible
-    to the peers): an mbarrier of one arrival, that arrival made, expecting the
-    cluster_size·values·4 bytes the CTAs will store into this CTA."""
+def arm_exchange(landed: cute.Pointer):
+    """Thread 0's set-up of one `cluster_sums(landed=)` exchange, before the kernel's
+    `cluster_arrive_relaxed` (which, after `fence.mbarrier_init`, makes it visible to the
+    peers): an mbarrier of one arrival, which `cluster_sums` makes with the bytes it expects."""
     cute.arch.mbarrier_init(landed, 1)
     cute.arch.mbarrier_init_fence()
-    cute.arch.mbarrier_arrive_and_expect_tx(landed, 4 * cluster_size * values)
 
 
 @cute.jit
@@ -136,7 +134,7 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
     """
     n = len(values)
     if cutlass.const_expr(landed is not None and n != cute.size(cluster_buf, mode=[1])):
-        # The mbarrier expects cluster_size·n·4 bytes: another count would hang its wait.
+        # One exchange per mbarrier and buffer: a buffer of another size is another exchange's.
         raise ValueError(f"cluster_sums: {n} values, but cluster_buf holds "
                          f"{cute.size(cluster_buf, mode=[1])} per CTA")
     warps = cute.size(warp_buf, mode=[0])
@@ -146,6 +144,9 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
         total = cute.arch.warp_reduction_sum(values[k])
         if lane == 0:
             warp_buf[warp, k] = total
+    if cutlass.const_expr(landed is not None):
+        if tidx == 0:  # the peers' stores may land first: the count goes below zero meanwhile
+            cute.arch.mbarrier_arrive_and_expect_tx(landed, 4 * cluster_size * n)
     cute.arch.barrier()
     threads = warps * WARP  # the threads that call it: warp_buf has a row per warp
     for j in cutlass.range_constexpr((cluster_size * n + threads - 1) // threads):
