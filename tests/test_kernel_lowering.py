@@ -119,6 +119,12 @@ def test_ptx_is_hopper_cluster_code(tmp_path):
     assert "barrier.cluster.arrive.relaxed" in ptx and "barrier.cluster.wait" in ptx
     assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32" in ptx
     assert "mapa.shared::cluster" in ptx and "fence.mbarrier_init.release.cluster" in ptx
+    # The expected bytes are armed after the cluster barrier, not beside mbarrier.init: the
+    # init's warp and thread 0's arrive are then ordered by barriers (racecheck).
+    order = [ptx.index(op) for op in ("mbarrier.init", "barrier.cluster.arrive.relaxed",
+                                      "barrier.cluster.wait", "mbarrier.arrive.expect_tx",
+                                      "mbarrier.try_wait")]
+    assert order == sorted(order), order
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx  # 16-byte row vectors
 
 
