@@ -21,7 +21,8 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 #   measured again in "Session 9" with the same choices (fused 0.5 µs ahead of xla at B = 32,
 #   within the spread); split again in "Session 10" at B = 1, 8, 16; every variant in
 #   "Session 11", the same choices (at B = 32 four variants within 0.2 µs); split, two-shot
-#   and xla_two_shot at B = 1, 8, 16, 64 in "Session 12", the same choices. At TP 2, B = 17..32,
+#   and xla_two_shot at B = 1, 8, 16, 64 in "Session 12", and split and xla_two_shot at
+#   B = 1, 8, 64 in "Session 14" (mbarrier exchanges), the same choices. At TP 2, B = 17..32,
 #   fused was 2 µs faster than xla there, but the GPU tests hold fused to B <= 16.
 # 3072 and 768 (TP 4, 16): whole virtual-TP groups, "Tail variants" and "Session 4", 2026-11-29
 #   (fused to B = 4, the producer kernel to B = 16); XLA's dot at K = 12288 (TP 1): "o_proj
