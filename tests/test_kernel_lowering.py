@@ -125,6 +125,8 @@ def test_ptx_is_hopper_cluster_code(tmp_path):
                                       "barrier.cluster.wait", "mbarrier.arrive.expect_tx",
                                       "mbarrier.try_wait")]
     assert order == sorted(order), order
+    # The wait acquires at cluster scope, the peers' stores' release scope.
+    assert ptx.count("mbarrier.try_wait") == ptx.count("mbarrier.try_wait.parity.acquire.cluster")
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx  # 16-byte row vectors
 
 

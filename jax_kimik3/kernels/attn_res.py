@@ -295,8 +295,9 @@ class AttnResKernel:
                                                 byte_alignment=16)
         landed, norm_landed = None, None  # one row per cluster: an mbarrier per exchange
         if cutlass.const_expr(self.landing):
-            landed = smem.allocate_array(Int64, 2)
-            norm_landed = landed + 1
+            landed = smem.allocate_array(Int64, 2 if two_exchanges else 1)
+            if cutlass.const_expr(two_exchanges):
+                norm_landed = landed + 1
             if tidx == 0:
                 arm_exchange(landed)
                 if cutlass.const_expr(two_exchanges):

@@ -21,7 +21,7 @@ HOLDING_MAX_BATCH = 16
 GRAM_MAX_SOURCES = 4
 # A register budget (.minnctapersm) for the standalone AttnRes and statistics kernels: without
 # one ptxas keeps them near 75 registers and issues the last saved blocks' loads only after the
-# first ones have landed (two memory round trips at K = 8); with it, every load at once (117
+# first ones have landed (two memory round trips at K = 8); with it, every load at once (123
 # registers at K = 8), and a B = 64 grid (448 CTAs of 128 threads) still fits in one wave.
 STANDALONE_CTAS_PER_SM = 4
 FLAT_THREADS = 128  # per CTA of the flat Lamport kernels (publish, owner, consumer): a vector each

@@ -106,6 +106,17 @@ def store_to_peer_async_f32(local: cute.Pointer, landed: cute.Pointer, peer, val
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def wait_exchange(landed: cute.Pointer, *, loc=None, ip=None):
+    """Wait until the mbarrier `landed` completes phase 0: `mbarrier.try_wait` with acquire at
+    cluster scope, the scope of the peers' `st.async` releases (the default, CTA scope, does not
+    synchronise with them)."""
+    _asm(None, [Int32(landed.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip)],
+         "{ .reg .pred landed; WAIT: "
+         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 landed, [$0], 0, 10000000; "
+         "@landed bra.uni DONE; bra.uni WAIT; DONE: }", "r", effects=True, loc=loc, ip=ip)
+
+
 @cute.jit
 def arm_exchange(landed: cute.Pointer):
     """Thread 0's set-up of one `cluster_sums(landed=)` exchange, before the kernel's
@@ -130,11 +141,11 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
     The caller must have synchronised the cluster once since launch (peers' shared memory
     exists), and gives each call its own `cluster_buf`. With `landed` (this CTA's mbarrier,
     set up by `arm_exchange`; one exchange per mbarrier) steps 3-4 are `st.async` stores
-    that complete on the peer's mbarrier, and a wait on this CTA's own.
+    that complete on the peer's mbarrier, and a wait on this CTA's own (`wait_exchange`).
     """
     n = len(values)
-    if cutlass.const_expr(landed is not None and n != cute.size(cluster_buf, mode=[1])):
-        # One exchange per mbarrier and buffer: a buffer of another size is another exchange's.
+    if cutlass.const_expr(n != cute.size(cluster_buf, mode=[1])):
+        # CTA t's total of value k goes to slot rank·n + k of each peer's row-major buffer.
         raise ValueError(f"cluster_sums: {n} values, but cluster_buf holds "
                          f"{cute.size(cluster_buf, mode=[1])} per CTA")
     warps = cute.size(warp_buf, mode=[0])
@@ -165,7 +176,7 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
     else:
-        cute.arch.mbarrier_wait(landed, 0)
+        wait_exchange(landed)
     sums = []
     for k in cutlass.range_constexpr(n):
         acc = Float32(0.0)
