@@ -295,13 +295,12 @@ class AttnResKernel:
                                                 byte_alignment=16)
         landed, norm_landed = None, None  # one row per cluster: an mbarrier per exchange
         if cutlass.const_expr(self.landing):
-            landed = smem.allocate_array(Int64, 2 if two_exchanges else 1)
+            exchanges = 2 if two_exchanges else 1
+            landed = smem.allocate_array(Int64, exchanges)
             if cutlass.const_expr(two_exchanges):
                 norm_landed = landed + 1
             if tidx == 0:
-                arm_exchange(landed)
-                if cutlass.const_expr(two_exchanges):
-                    arm_exchange(norm_landed)
+                arm_exchange(landed, exchanges)
         cute.arch.cluster_arrive_relaxed()  # peers' shared memory must exist before DSMEM stores
 
         gw = load_f32(t.res_norm_w, col) * load_f32(t.res_proj_w, col)

@@ -76,15 +76,10 @@ def store_to_peer_f32(local: cute.Pointer, peer, value, *, loc=None, ip=None):
     """Weak `st.shared::cluster.f32` of `value` at CTA `peer`'s copy of shared address `local`.
 
     Ordering comes from the caller's cluster barrier (arrive has release semantics)."""
-    address = Int32(local.toint(loc=loc, ip=ip))
-    llvm.inline_asm(
-        None,
-        [address.ir_value(loc=loc, ip=ip), Int32(peer).ir_value(loc=loc, ip=ip),
-         Float32(value).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 remote; mapa.shared::cluster.u32 remote, $0, $1; "
-        "st.shared::cluster.f32 [remote], $2; }",
-        "r,r,f", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _asm(None, [Int32(local.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
+                Int32(peer).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+         "{ .reg .b32 remote; mapa.shared::cluster.u32 remote, $0, $1; "
+         "st.shared::cluster.f32 [remote], $2; }", "r,r,f", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -94,16 +89,13 @@ def store_to_peer_async_f32(local: cute.Pointer, landed: cute.Pointer, peer, val
     of the transaction count of `peer`'s copy of the mbarrier `landed`: the peer waits on its
     mbarrier, and neither side needs a cluster barrier (whose release arrive is a GPU-scope
     fence that waits for this thread's global stores)."""
-    llvm.inline_asm(
-        None,
-        [Int32(local.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
-         Int32(landed.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
-         Int32(peer).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 remote, bar; mapa.shared::cluster.u32 remote, $0, $2; "
-        "mapa.shared::cluster.u32 bar, $1, $2; "
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [remote], $3, [bar]; }",
-        "r,r,r,f", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _asm(None, [Int32(local.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
+                Int32(landed.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
+                Int32(peer).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+         "{ .reg .b32 remote, bar; mapa.shared::cluster.u32 remote, $0, $2; "
+         "mapa.shared::cluster.u32 bar, $1, $2; "
+         "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [remote], $3, [bar]; }",
+         "r,r,r,f", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -118,11 +110,13 @@ def wait_exchange(landed: cute.Pointer, *, loc=None, ip=None):
 
 
 @cute.jit
-def arm_exchange(landed: cute.Pointer):
-    """Thread 0's set-up of one `cluster_sums(landed=)` exchange, before the kernel's
-    `cluster_arrive_relaxed` (which, after `fence.mbarrier_init`, makes it visible to the
-    peers): an mbarrier of one arrival, which `cluster_sums` makes with the bytes it expects."""
-    cute.arch.mbarrier_init(landed, 1)
+def arm_exchange(landed: cute.Pointer, exchanges: cutlass.Constexpr = 1):
+    """Thread 0's set-up of `exchanges` `cluster_sums(landed=)` exchanges, before the kernel's
+    `cluster_arrive_relaxed` (which, after `fence.mbarrier_init`, makes them visible to the
+    peers): an mbarrier of one arrival each at `landed`, `landed` + 1, ..., which
+    `cluster_sums` makes with the bytes it expects."""
+    for e in cutlass.range_constexpr(exchanges):
+        cute.arch.mbarrier_init(landed + e, 1)
     cute.arch.mbarrier_init_fence()
 
 
