@@ -104,16 +104,22 @@ def test_bad_backend_is_a_value_error():
             spec(8, H), spec(8, NB, H), spec(H), spec(H))
 
 
-def test_ptx_is_hopper_cluster_code(tmp_path):
-    """The kept PTX targets sm_90a and reduces across the cluster through DSMEM."""
-    ptx = kept_ptx(f"""
+def standalone_script(k):
+    """A script that lowers the standalone AttnRes kernel (delta, output norm, B = 4) over K = k
+    saved blocks; `s` builds its bf16 shapes."""
+    return f"""
         import jax, jax.numpy as jnp, jax_kimik3 as k3
         s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-        f = lambda p, d, bl, g, w, o: k3.attn_res(p, bl, g, w, o, num_blocks=3, delta=d,
+        f = lambda p, d, bl, g, w, o: k3.attn_res(p, bl, g, w, o, num_blocks={k}, delta=d,
                                                   backend="kernel")
         jax.jit(f).trace(s(4, {H}), s(4, {H}), s(4, {NB}, {H}), s({H}), s({H}), s({H})).lower(
             lowering_platforms=("cuda",))
-    """, tmp_path)
+    """
+
+
+def test_ptx_is_hopper_cluster_code(tmp_path):
+    """The kept PTX targets sm_90a and reduces across the cluster through DSMEM."""
+    ptx = kept_ptx(standalone_script(3), tmp_path)
     assert ".target sm_90a" in ptx
     # The cluster syncs once (relaxed), then the exchanges land on mbarriers.
     assert "barrier.cluster.arrive.relaxed" in ptx and "barrier.cluster.wait" in ptx
@@ -164,13 +170,7 @@ def test_standalone_kernels_have_a_register_budget(tmp_path):
     STANDALONE_CTAS_PER_SM CTAs of 128 threads per SM leave, without spilling."""
     from jax_kimik3.kernels.geometry import STANDALONE_CTAS_PER_SM, THREADS
 
-    ptx = kept_ptx(f"""
-        import jax, jax.numpy as jnp, jax_kimik3 as k3
-        s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-        f = lambda p, d, bl, g, w, o: k3.attn_res(p, bl, g, w, o, num_blocks=8, delta=d,
-                                                  backend="kernel")
-        jax.jit(f).trace(s(4, {H}), s(4, {H}), s(4, {NB}, {H}), s({H}), s({H}), s({H})).lower(
-            lowering_platforms=("cuda",))
+    ptx = kept_ptx(standalone_script(8) + f"""
         st = lambda bl, g, w: k3.attn_res_statistics(bl, g, w, num_blocks=8, backend="kernel")
         jax.jit(st).trace(s(4, {NB}, {H}), s({H}), s({H})).lower(lowering_platforms=("cuda",))
     """, tmp_path)
