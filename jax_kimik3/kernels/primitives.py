@@ -124,9 +124,9 @@ def warp_scatter_sums(values: list, lane) -> list:
     """The warp's sum of each of the per-thread `values` (fp32), spread over its lanes: per
     group of up to WARP values, (this lane's sum, the sum's index in `values`, whether this lane
     is the one that stores it). A halving step keeps one half of the lane's values, sends the
-    other half to lane ^ offset (which keeps that half) and adds what comes back: P/2 + P/4 + ...
-    shuffles for P values (P the power of two at or above their count; zeros pad) instead of a
-    butterfly's five per value; then a butterfly over the lanes' remaining bits. Plain Python
+    other half to lane ^ offset (which keeps that half) and adds what comes back; then a
+    butterfly over the lanes' remaining bits: 31 shuffles for P = 32 values in all (P the power
+    of two at or above their count; zeros pad), against a butterfly's five per value. Plain Python
     over the DSL's operations (no control flow), called from kernel code."""
     out = []
     for start in range(0, len(values), WARP):
