@@ -120,12 +120,43 @@ def arm_exchange(landed: cute.Pointer, exchanges: cutlass.Constexpr = 1):
     cute.arch.mbarrier_init_fence()
 
 
+def warp_scatter_sums(values: list, lane) -> list:
+    """The warp's sum of each of the per-thread `values` (fp32), spread over its lanes: per
+    group of up to WARP values, (this lane's sum, the sum's index in `values`, whether this lane
+    is the one that stores it). A halving step keeps one half of the lane's values, sends the
+    other half to lane ^ offset (which keeps that half) and adds what comes back; then a
+    butterfly over the lanes' remaining bits: 31 shuffles for P = 32 values in all (P the power
+    of two at or above their count; zeros pad), against a butterfly's five per value. Plain Python
+    over the DSL's operations (no control flow), called from kernel code."""
+    out = []
+    for start in range(0, len(values), WARP):
+        v = list(values[start:start + WARP])
+        size = 1 << (len(v) - 1).bit_length()
+        v += [Float32(0.0)] * (size - len(v))
+        index, offset = Int32(start), WARP // 2
+        while len(v) > 1:
+            half = len(v) // 2
+            upper = (lane & offset) != 0  # this lane keeps the upper half
+            kept = [Float32(cutlass.select_(upper, v[i + half], v[i])) for i in range(half)]
+            sent = [Float32(cutlass.select_(upper, v[i], v[i + half])) for i in range(half)]
+            v = [k + cute.arch.shuffle_sync_bfly(x, offset=offset) for k, x in zip(kept, sent)]
+            index = index + Int32(cutlass.select_(upper, Int32(half), Int32(0)))
+            offset //= 2
+        total = v[0]
+        while offset:
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+            offset //= 2
+        out.append((total, index, lane % (WARP // size) == 0))
+    return out
+
+
 @cute.jit
 def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
                  cluster_size: cutlass.Constexpr, rank, landed=None):
     """Sum each per-thread fp32 in `values` over every thread of every CTA of the cluster.
 
-    1. a butterfly warp sum; 2. lane 0 writes warp totals to `warp_buf` [warps, n];
+    1. a warp sum spread over the lanes (`warp_scatter_sums`); 2. the lanes that hold the
+    warp totals write them to `warp_buf` [warps, n];
     3. for each (CTA t, value k), one of the threads adds the warp totals of k (fixed order)
     and stores the CTA total into slot `rank` of CTA t's `cluster_buf` [cluster_size, n]
     through distributed shared memory (cluster_size·n stores spread over the threads, not
@@ -145,9 +176,8 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
     warps = cute.size(warp_buf, mode=[0])
     lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
     tidx, _, _ = cute.arch.thread_idx()
-    for k in cutlass.range_constexpr(n):
-        total = cute.arch.warp_reduction_sum(values[k])
-        if lane == 0:
+    for total, k, stores in warp_scatter_sums(values, lane):
+        if stores & (k < n):
             warp_buf[warp, k] = total
     if cutlass.const_expr(landed is not None):
         if tidx == 0:  # the peers' stores may land first: the count goes below zero meanwhile
