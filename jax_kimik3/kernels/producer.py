@@ -15,7 +15,7 @@ w's 16 rows as A and x as B, one 8-column B tile per 8 tokens:
   at the buffer of the rank's call, read from its control words before the GEMM (so the read
   hides under the weight stream); nothing is published on a failed mailbox. A publishing
   producer lets the call's next kernel launch at once (`griddepcontrol.launch_dependents`,
-  kernels/tail.py).
+  kernels/tail.py); only its threads that publish run the release fence.
 Token rows past B read row B - 1 (no branch in the loop) and are never stored.
 """
 
@@ -80,12 +80,13 @@ class OprojProducer:
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, w: cute.Tensor, table, ranks, out, batch: Int32):
-        if cutlass.const_expr(self.publish is not None):
-            fence_system()  # release: the earlier kernels' re-arms before the publish
-            let_next_launch()
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         i = block // self.ctas_per_rank
+        if cutlass.const_expr(self.publish is not None):
+            if tidx < 2 * (cute.size(x, mode=[0]) // self.ranks):  # who publishes (2 per row) ...
+                fence_system()  # ... release the earlier kernels' re-arms: the others need not
+            let_next_launch()
         x_i, w_i = self.rank_operands(x, w, i, batch)
         self.rows(tidx, block - i * self.ctas_per_rank, x_i, w_i, table,
                   None if cutlass.const_expr(ranks is None) else ranks[i], out, batch)
