@@ -1,16 +1,19 @@
 """Benchmark: the post-attention tail as one rank of a TP mesh does it, on one GPU.
 
-Rank 0 of a TP mailbox (TP 2 and 8 by default; every rank's buffer on this GPU) runs its own tail call
-as a mesh rank would (`oproj.tail` with ranks = [0]: its producer and publish into every
-rank's slot, the wait for and sum of its TP slots, AttnRes, the re-arm), while ghost peers
-(benchmarks/ghost_peers.py) have already delivered the other ranks' rows for that call. Per
-variant (fused; split and xla, one-shot and two-shot) and B: µs per layer (the chain's span, less the ghost
-kernel's own GPU time), beside XLA's per-rank work on the same device (XLA's dot, the add of
-the peers' rows a psum would bring, the reference AttnRes), and the NVLink transfer a real
-mesh would add (the cost model: the bytes this rank sends at NVLINK_BYTES_PER_S; overlapped
-with nothing here). Each variant's result is checked against the float64 model once. The
-fastest variant per B beside the tuning table's choice. Writes bench_rank.json (with each
-variant's kernels' own GPU µs: where the span goes) and .md to --out.
+Rank 0 of a TP mailbox (TP 2 and 8 by default; every rank's buffer on this GPU) runs its own
+tail call as a mesh rank would (`oproj.tail` with ranks = [0]: its producer and publish into
+every rank's slot, the wait for and sum of its TP slots, AttnRes, the re-arm), while ghost
+peers (benchmarks/ghost_peers.py) have already delivered the other ranks' rows for that call.
+The ghost kernel also hands the tail its x, so the tail's first kernel follows it directly, as
+it would follow the attention kernel in a decode step. Per variant (fused; split and xla,
+one-shot and two-shot) and B: µs per layer (the chain's span, less the stand-in kernels' own
+GPU time), beside XLA's per-rank work on the same device (XLA's dot on x from a copy kernel
+that stands in likewise, the add of the peers' rows a psum would bring, the reference
+AttnRes), and the NVLink transfer a real mesh would add (the cost model: the bytes this rank
+sends at NVLINK_BYTES_PER_S; overlapped with nothing here). Each variant's result is checked
+against the float64 model once. The fastest variant per B beside the tuning table's choice.
+Writes bench_rank.json (with each variant's kernels' own GPU µs: where the span goes) and .md
+to --out.
 
     python -m benchmarks.bench_rank --out /tmp/bench --batches 1,2,4,8,16,32,64
 """
@@ -60,6 +63,14 @@ def nvlink_us(tp, batch, two_shot):
     return 1e6 * sent / NVLINK_BYTES_PER_S
 
 
+def span_us(profile):
+    """A call's GPU span less its stand-ins' own time (benchmarks/ghost_peers.py)."""
+    from benchmarks import ghost_peers
+
+    return profile.span_us - sum(us for name, us in profile.kernel_us.items()
+                                 if ghost_peers.is_stand_in(name))
+
+
 def rank_rows(args, tp, bandwidth):
     from benchmarks import ghost_peers
     from jax_kimik3 import tuning
@@ -89,9 +100,8 @@ def rank_rows(args, tp, bandwidth):
         def tail(carry, s, variant):
             prefix, out = carry
             two_shot = variant.endswith("two_shot")
-            done = ghost_peers.deliver(s["ghosts"], s["total"], table, out, spec=mailbox.spec,
-                                       two_shot=two_shot)
-            x = s["x"] + 0 * out[:, :1] + 0 * done[0].astype(jnp.bfloat16)  # after both
+            x = ghost_peers.deliver(s["ghosts"], s["total"], table, s["x"], out,
+                                    spec=mailbox.spec, two_shot=two_shot)
             outs, prefixes = oproj.tail(
                 x, s["w"], prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w,
                 inp.out_norm_w, table=table, ranks=rank, spec=mailbox.spec,
@@ -103,7 +113,7 @@ def rank_rows(args, tp, bandwidth):
 
         def xla(carry, s):
             prefix, out = carry
-            x = s["x"][0] + 0 * out[:, :1]
+            x = ghost_peers.ready(s["x"][0], out)
             delta = (reference.oproj_partial(x, s["w"][0]).astype(jnp.float32) + s["peers"]
                      ).astype(jnp.bfloat16)  # a psum's result, without the psum
             out, prefix, _ = reference.post_attention(
@@ -115,7 +125,7 @@ def rank_rows(args, tp, bandwidth):
         carry = (inp.prefix, inp.prefix)
         choice = tuning.tail_variant(b, k) + ("_two_shot" if tuning.use_two_shot(b, tp) else "")
         row = dict(tp=tp, k=k, batch=b, table=choice.replace("split_two_shot", "two_shot"),
-                   reference_us=profile_per_call(xla, carry, sets).span_us,
+                   reference_us=span_us(profile_per_call(xla, carry, sets)),
                    floor_us=1e6 * H * k * 2 / bandwidth)
         for variant in args.variants.split(","):
             step = lambda c, s, v=variant: tail(c, s, v)  # noqa: E731
@@ -129,11 +139,10 @@ def rank_rows(args, tp, bandwidth):
             if not error < SANITY_BOUND:
                 raise RuntimeError(f"{variant} at B={b}: relative error {error:.3g}")
             profile = profile_per_call(step, carry, sets)
-            ghost = sum(us for name, us in profile.kernel_us.items() if "GhostPeers" in name)
-            row[f"{variant}_us"] = profile.span_us - ghost
+            row[f"{variant}_us"] = span_us(profile)
             # Where the span goes: each of the call's kernels' own GPU µs (the rest: gaps).
             row[f"{variant}_kernels_us"] = {name: us for name, us in profile.kernel_us.items()
-                                            if "GhostPeers" not in name}
+                                            if not ghost_peers.is_stand_in(name)}
             # When: each kernel's (start, end) µs from the start of its call's first kernel.
             row[f"{variant}_timeline_us"] = profile.timeline_us
             row[f"{variant}_error"] = error
