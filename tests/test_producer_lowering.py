@@ -94,3 +94,22 @@ def test_two_shot_tail_adds_the_owner(tmp_path, two_shot):
         first, last = "Producer" in name, "AttnRes" in name
         assert ("griddepcontrol.launch_dependents" in body) == (not last), name
         assert ("griddepcontrol.wait" in body) == (not first), name
+
+
+def test_register_budget_only_at_its_tile_counts(tmp_path):
+    """The producer's launch carries a register budget (.minnctapersm) at
+    geometry.PRODUCER_BUDGET_TILES unless it publishes two-shot, and none at the other B tile
+    counts."""
+    from jax_kimik3.kernels.geometry import PRODUCER_BUDGET_TILES, PRODUCER_CTAS_PER_SM
+
+    for tiles, two_shot in ((1, False), (2, False), (2, True), (8, False)):
+        (tmp_path / f"{tiles}{two_shot}").mkdir()
+        ptx = kept_ptx(f"""
+            from tests.test_producer_lowering import split_tail
+            split_tail(8, {8 * tiles}, two_shot={two_shot})
+        """, tmp_path / f"{tiles}{two_shot}")
+        (producer_entry,) = [name for name, _ in entries(ptx) if "Producer" in name]
+        head = ptx[ptx.index(producer_entry):]
+        head = head[:head.index("{")]
+        budget = f".minnctapersm {PRODUCER_CTAS_PER_SM}" in head
+        assert budget == (tiles in PRODUCER_BUDGET_TILES and not two_shot), (tiles, two_shot)
