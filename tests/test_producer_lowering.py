@@ -97,19 +97,20 @@ def test_two_shot_tail_adds_the_owner(tmp_path, two_shot):
 
 
 def test_register_budget_only_at_its_tile_counts(tmp_path):
-    """The producer's launch carries a register budget (.minnctapersm) at
-    geometry.PRODUCER_BUDGET_TILES unless it publishes two-shot, and none at the other B tile
-    counts."""
-    from jax_kimik3.kernels.geometry import PRODUCER_BUDGET_TILES, PRODUCER_CTAS_PER_SM
+    """The producer's launch carries a register budget (.minnctapersm) at the (K, B tiles) of
+    geometry.PRODUCER_BUDGETS unless it publishes two-shot, and none elsewhere."""
+    from jax_kimik3.kernels.geometry import PRODUCER_BUDGETS, PRODUCER_CTAS_PER_SM
 
-    for tiles, two_shot in ((1, False), (2, False), (2, True), (8, False)):
-        (tmp_path / f"{tiles}{two_shot}").mkdir()
+    for tp, tiles, two_shot in ((8, 1, False), (8, 2, False), (8, 2, True), (8, 8, False),
+                                (16, 2, False)):
+        (tmp_path / f"{tp}{tiles}{two_shot}").mkdir()
         ptx = kept_ptx(f"""
             from tests.test_producer_lowering import split_tail
-            split_tail(8, {8 * tiles}, two_shot={two_shot})
-        """, tmp_path / f"{tiles}{two_shot}")
+            split_tail({tp}, {8 * tiles}, two_shot={two_shot})
+        """, tmp_path / f"{tp}{tiles}{two_shot}")
         (producer_entry,) = [name for name, _ in entries(ptx) if "Producer" in name]
         head = ptx[ptx.index(producer_entry):]
         head = head[:head.index("{")]
         budget = f".minnctapersm {PRODUCER_CTAS_PER_SM}" in head
-        assert budget == (tiles in PRODUCER_BUDGET_TILES and not two_shot), (tiles, two_shot)
+        wanted = (K_TOTAL // tp, tiles) in PRODUCER_BUDGETS and not two_shot
+        assert budget == wanted, (tp, tiles, two_shot)

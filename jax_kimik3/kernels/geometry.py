@@ -11,13 +11,15 @@ THREADS = KIMI_K3.hidden_size // (CLUSTER * VECTOR)  # 128 per AttnRes CTA, a ve
 ROWS = 16  # rows of w per o_proj producer CTA: the mma's M
 TOKENS = 8  # tokens per producer B tile: the mma's N
 PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
-# B tile counts at which the o_proj producer has a register budget (.minnctapersm 4: 64
-# registers) unless it publishes two-shot, so that ptxas keeps more of a warp's weight loads
-# in flight: the producer ends 0.3-0.6 µs sooner, but its CTAs then fill the SMs' registers
-# and the tail's next kernel (a dependent launch) starts only as they retire. On a TP8 rank
-# at two tiles (B = 9-16) the split tail is 0.1-0.3 µs faster for it, the two-shot tail 0.4
-# µs slower; at one tile (B = 1-8) the split tail is 0.45 µs slower at B = 8.
-PRODUCER_BUDGET_TILES = (2,)
+# (K, B tile count) pairs at which the o_proj producer has a register budget (.minnctapersm 4:
+# 64 registers) unless it publishes two-shot, so that ptxas keeps more of a warp's weight
+# loads in flight: the producer ends 0.3-0.6 µs sooner, but its CTAs then fill the SMs'
+# registers and the tail's next kernel (a dependent launch) starts only as they retire. Split
+# tail of one rank at two tiles (B = 12 and 16), against no budget in the same call: TP 8
+# (K = 1536) 0.1-0.3 µs faster (the two-shot tail 0.4 µs slower); TP 4 (K = 3072) level to
+# 0.2 µs slower; TP 16 (K = 768) 0.4-0.6 µs slower. At one tile (B = 1-8, TP 8), 0.45 µs
+# slower at B = 8.
+PRODUCER_BUDGETS = ((1536, 2),)
 PRODUCER_CTAS_PER_SM = 4
 FUSED_CTAS_PER_SM = 4  # the fused tail's register cap (.minnctapersm): <= 64 registers
 FUSED_POLLS_AHEAD = 1  # slots past the one it checks that the fused tail polls ahead (all: spills)

@@ -16,7 +16,7 @@ w's 16 rows as A and x as B, one 8-column B tile per 8 tokens:
   hides under the weight stream); nothing is published on a failed mailbox. A publishing
   producer lets the call's next kernel launch at once (`griddepcontrol.launch_dependents`,
   kernels/tail.py); only its threads that publish run the release fence.
-At the B tile counts of geometry.PRODUCER_BUDGET_TILES the launch has a register budget
+At the (K, B tile count) pairs of geometry.PRODUCER_BUDGETS the launch has a register budget
 (.minnctapersm) that keeps more weight loads in flight, except where it publishes two-shot.
 Token rows past B read row B - 1 (no branch in the loop) and are never stored.
 """
@@ -31,8 +31,8 @@ from cutlass import Float32, Int32, Int64
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.geometry import PRODUCER_WARPS as WARPS
-from jax_kimik3.kernels.geometry import (PRODUCER_BUDGET_TILES, PRODUCER_CTAS_PER_SM, ROWS,
-                                         TOKENS, VECTOR, VECTOR_BYTES, WARP)
+from jax_kimik3.kernels.geometry import (PRODUCER_BUDGETS, PRODUCER_CTAS_PER_SM, ROWS, TOKENS,
+                                         VECTOR, VECTOR_BYTES, WARP)
 from jax_kimik3.kernels.lamport import publish_words
 from jax_kimik3.kernels.primitives import (call_of, f32_to_words, fence_system,
                                            let_next_launch, load_words, mma_bf16, stream_words,
@@ -64,11 +64,11 @@ class OprojProducer:
 
     @property
     def launch_config(self) -> dict:
-        """Block, shared memory and, at PRODUCER_BUDGET_TILES unless it publishes two-shot,
-        the register budget."""
+        """Block, shared memory and, at PRODUCER_BUDGETS unless it publishes two-shot, the
+        register budget."""
         config = dict(block=[WARPS * WARP, 1, 1], smem=self.smem_bytes)
         two_shot = self.publish is not None and self.publish.two_shot
-        if self.tiles in PRODUCER_BUDGET_TILES and not two_shot:  # -1: no device query
+        if (self.k, self.tiles) in PRODUCER_BUDGETS and not two_shot:  # -1: no device query
             config.update(min_blocks_per_mp=PRODUCER_CTAS_PER_SM, preferred_smem_carveout=-1)
         return config
 
