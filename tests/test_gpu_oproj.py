@@ -75,7 +75,7 @@ def tail_virtual(xs, ws, inp, mailbox, ahead=None, *, poison=False, **static):
                  **static)
 
 
-def check_tail_virtual(rng, mailbox, b, layer, variant):
+def check_tail_virtual(rng, mailbox, b, layer, variant, two_shot=False):
     """Every rank's (out, new prefix) bitwise equal, within bf16 of the float64 model, in two
     calls (they use the mailbox's two buffers in turn), into NaN-poisoned outputs; no timeout."""
     tp = mailbox.tp
@@ -86,7 +86,8 @@ def check_tail_virtual(rng, mailbox, b, layer, variant):
     for _ in range(2):
         out, prefix = map(np.asarray, tail_virtual(
             split(x, tp), split(w, tp), jax.device_put(inp), mailbox, poison=True,
-            num_blocks=site.num_blocks, has_delta=site.has_delta, variant=variant))
+            num_blocks=site.num_blocks, has_delta=site.has_delta, variant=variant,
+            two_shot=two_shot))
         for r in range(1, tp):
             np.testing.assert_array_equal(out[r].view(np.uint16), out[0].view(np.uint16))
             np.testing.assert_array_equal(prefix[r].view(np.uint16), prefix[0].view(np.uint16))
@@ -106,6 +107,17 @@ def test_tail_matches_model(rng, tp, b, layer):
     with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
         check_tail_virtual(rng, mailbox, b, layer,
                            "xla" if tail_variant(b, K_TOTAL // tp) == "xla" else "split")
+        assert mailbox.unarmed() == 0
+
+
+@pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
+@pytest.mark.parametrize("b", [33, 64])
+@pytest.mark.parametrize("tp", [2, 8, 16])
+def test_producer_tail_past_the_table(rng, tp, b, two_shot):
+    """The producer kernel's tail (variant "split") where the table picks XLA's dot: the
+    producer at four and eight B tiles, publishing one-shot and two-shot."""
+    with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
+        check_tail_virtual(rng, mailbox, b, 92, "split", two_shot=two_shot)
         assert mailbox.unarmed() == 0
 
 
