@@ -23,14 +23,18 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 #   "Session 11", the same choices (at B = 32 four variants within 0.2 µs); split, two-shot
 #   and xla_two_shot at B = 1, 8, 16, 64 in "Session 12", and split and xla_two_shot at
 #   B = 1, 8, 64 in "Session 14" (mbarrier exchanges), the same choices. At TP 2, B = 17..32,
-#   fused was 2 µs faster than xla there, but the GPU tests hold fused to B <= 16.
+#   fused was 2 µs faster than xla there, but the GPU tests hold fused to B <= 16. TP 8 from
+#   B = 17 on: the producer kernel at every B since "Session 19" (two row groups per producer
+#   CTA from B = 25: 3.1-4.6 µs ahead of the best tail on XLA's dot at B = 24, 32, 48, 64).
 # 3072 and 768 (TP 4, 16): whole virtual-TP groups, "Tail variants" and "Session 4", 2026-11-29
-#   (fused to B = 4, the producer kernel to B = 16); XLA's dot at K = 12288 (TP 1): "o_proj
-#   producer kernel vs XLA's dot".
+#   (fused to B = 4, the producer kernel to B = 16); at 3072 the producer kernel again at
+#   B = 25-32, per rank in "Session 19" (2.7 µs ahead of XLA's dot at B = 32; level at B = 24
+#   and 48, 3 µs behind at 64); XLA's dot at K = 12288 (TP 1): "o_proj producer kernel vs
+#   XLA's dot".
 TAIL_VARIANTS: dict[int, tuple[tuple[int, TailVariant], ...]] = {
     6144: ((8, "split"), (16, "fused")),
-    3072: ((4, "fused"), (16, "split")),
-    1536: ((16, "split"),),
+    3072: ((4, "fused"), (16, "split"), (24, "xla"), (32, "split")),
+    1536: ((64, "split"),),
     768: ((4, "fused"), (16, "split")),
 }
 
@@ -44,10 +48,10 @@ def tail_variant(batch: int, k: int) -> TailVariant:
 
 
 # TP → smallest B where the two-shot tail wins: "Tail variants" (virtual TP 8 and 16, B = 64),
-# 2026-11-29, and one TP 8 rank at B = 64 ("Session 7"; the cost model's NVLink time favours
-# it from B = 32 too, unmeasured on a mesh); it loses at TP 2 ("Mailbox all-reduce on a real
-# TP2 mesh").
-TWO_SHOT_BATCHES = {8: 64, 16: 64}
+# 2026-11-29; one TP 8 rank ("Session 19"): ahead of one-shot by 1.4-5.5 µs at B = 32-64, level
+# at B = 24, where the cost model's NVLink time (1.3 against 5.4 µs) decides, unmeasured on a
+# mesh; it loses at TP 2 ("Mailbox all-reduce on a real TP2 mesh").
+TWO_SHOT_BATCHES = {8: 24, 16: 64}
 
 
 def use_two_shot(batch: int, tp: int) -> bool:

@@ -111,11 +111,12 @@ def test_tail_matches_model(rng, tp, b, layer):
 
 
 @pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
-@pytest.mark.parametrize("b", [33, 64])
+@pytest.mark.parametrize("b", [24, 33, 64])
 @pytest.mark.parametrize("tp", [2, 8, 16])
 def test_producer_tail_past_the_table(rng, tp, b, two_shot):
-    """The producer kernel's tail (variant "split") where the table picks XLA's dot: the
-    producer at four and eight B tiles, publishing one-shot and two-shot."""
+    """The producer kernel's tail (variant "split") at B the table gives to XLA's dot at some
+    TP: the producer at three, five and eight B tiles (one and two row groups per CTA),
+    publishing one-shot and two-shot."""
     with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
         check_tail_virtual(rng, mailbox, b, 92, "split", two_shot=two_shot)
         assert mailbox.unarmed() == 0

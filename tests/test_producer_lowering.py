@@ -98,8 +98,11 @@ def test_two_shot_tail_adds_the_owner(tmp_path, two_shot):
 
 def test_register_budget_only_at_its_tile_counts(tmp_path):
     """The producer's launch carries a register budget (.minnctapersm) at the (K, B tiles) of
-    geometry.PRODUCER_BUDGETS unless it publishes two-shot, and none elsewhere."""
-    from jax_kimik3.kernels.geometry import PRODUCER_BUDGETS, PRODUCER_CTAS_PER_SM
+    geometry.PRODUCER_BUDGETS unless it publishes two-shot, and with two row groups per CTA
+    (from PRODUCER_GROUPED_TILES) the one that keeps its CTAs in one wave; none elsewhere."""
+    from jax_kimik3.kernels.geometry import (PRODUCER_BUDGETS, PRODUCER_CTAS_PER_SM,
+                                             PRODUCER_GROUPED_CTAS_PER_SM,
+                                             PRODUCER_GROUPED_TILES)
 
     for tp, tiles, two_shot in ((8, 1, False), (8, 2, False), (8, 2, True), (8, 8, False),
                                 (16, 2, False)):
@@ -114,3 +117,20 @@ def test_register_budget_only_at_its_tile_counts(tmp_path):
         budget = f".minnctapersm {PRODUCER_CTAS_PER_SM}" in head
         wanted = (K_TOTAL // tp, tiles) in PRODUCER_BUDGETS and not two_shot
         assert budget == wanted, (tp, tiles, two_shot)
+        grouped = f".minnctapersm {PRODUCER_GROUPED_CTAS_PER_SM}" in head
+        assert grouped == (tiles >= PRODUCER_GROUPED_TILES), (tp, tiles, two_shot)
+
+
+@pytest.mark.parametrize("tiles", range(1, 9))
+def test_row_groups_share_x_from_many_tiles(tiles):
+    """From PRODUCER_GROUPED_TILES B tiles a CTA takes two 16-row groups: half the CTAs, each
+    x load feeding both."""
+    from jax_kimik3.kernels.geometry import PRODUCER_GROUPED_TILES
+    from jax_kimik3.kernels.producer import row_groups
+
+    groups = row_groups(tiles)
+    assert groups == (2 if tiles >= PRODUCER_GROUPED_TILES else 1)
+    producer = OprojProducer(tiles, K_TOTAL // 8, H, None, groups=groups)
+    assert producer.ctas_per_rank == H // (16 * groups)
+    with pytest.raises(ValueError, match="N=7160 of 32"):
+        OprojProducer(tiles, K_TOTAL // 8, H - 8, None, groups=2)

@@ -21,6 +21,12 @@ PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 # slower at B = 8.
 PRODUCER_BUDGETS = ((1536, 2),)
 PRODUCER_CTAS_PER_SM = 4
+# B tiles from which a producer CTA takes two 16-row groups of w (224 CTAs per rank), so that
+# each x load, which every CTA makes from L2, feeds twice the rows. With it, one TP8 rank's
+# two-shot tail: B = 32 17.8 µs against 21.1, B = 64 23.3 against 26.1 (same call). Its
+# register budget: two CTAs per SM (<= 128 registers; 138 without), all 224 in one wave.
+PRODUCER_GROUPED_TILES = 4
+PRODUCER_GROUPED_CTAS_PER_SM = 2
 FUSED_CTAS_PER_SM = 4  # the fused tail's register cap (.minnctapersm): <= 64 registers
 FUSED_POLLS_AHEAD = 1  # slots past the one it checks that the fused tail polls ahead (all: spills)
 # Rows per rank up to which a tail's AttnRes kernel holds its inputs in registers across the poll
