@@ -66,7 +66,7 @@ class OprojProducer:
 
     @property
     def smem_bytes(self) -> int:
-        """Each warp's accumulators, then the CTA's [tiles·8, 16] fp32 tile."""
+        """Each warp's accumulators, then the CTA's [tiles·8, 16·groups] fp32 tile."""
         return 4 * (WARPS + 1) * self.tiles * TOKENS * ROWS * self.groups + 64
 
     @property
@@ -123,7 +123,7 @@ class OprojProducer:
 
     @cute.jit
     def rows(self, tidx, block, x: cute.Tensor, w: cute.Tensor, table, rank, out, batch):
-        """CTA `block`'s 16 rows of one rank's w for its `batch` tokens: the GEMM, the
+        """CTA `block`'s 16·groups rows of one rank's w for its `batch` tokens: the GEMM, the
         in-order warp sum, and the store into `out` [B, N] or the publish as rank `rank` of
         the mailbox. Every thread of the CTA's WARPS warps calls it (it has CTA barriers);
         the fused tail kernel too."""
