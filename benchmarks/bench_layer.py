@@ -4,8 +4,9 @@ oproj (one GPU): the o_proj producer kernel (`kernels.producer_ops.project`) aga
   and cuBLAS (torch in a CUDA graph, where torch is installed) for one rank's weight
   [7168, 12288/TP], per B: µs per call (the x wait included) and the producer kernel's own
   GPU µs, each as a share of the read bandwidth measured in the same run (the floor: the
-  weight read once), and the per-call µs against those of an XLA reduction over the weight's
-  own bytes (what a chain of calls that each read that much costs, launch and ramp included).
+  weight read once), and against the same-size read: the fastest of an XLA reduction over the
+  weight's own bytes and the stream-read kernels of benchmarks/read_floor.py (what a chain of
+  calls that each read that much costs, launch and ramp included).
 tail (a TP mesh of every local GPU): the kernel tail (`oproj_attn_res` with a mailbox:
   producer + AttnRes consumer) against the XLA reference (dot + psum + reference AttnRes),
   and on several GPUs the reference with XLA's one-shot all-reduce kernel (a child process,
@@ -39,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_kimik3 as k3
 from benchmarks import report
+from benchmarks.read_floor import read_floor_us
 from benchmarks.timing import (cublas_per_call, profile_per_call, read_bandwidth,
                                time_per_call, with_xla_one_shot)
 from jax_kimik3 import reference
@@ -78,7 +80,8 @@ def oproj_rows(args, bandwidth):
         weight_bytes = H * k * 2
         count = max(2, -(-(256 << 20) // weight_bytes))  # weights past the 60 MB L2
         weights = [jax.device_put(oproj_inputs(rng, 1, k)[1]) for _ in range(count)]
-        read_us = 1e6 * weight_bytes / read_bandwidth(weight_bytes, count)  # the same bytes
+        read_us = min(1e6 * weight_bytes / read_bandwidth(weight_bytes, count),  # same bytes
+                      read_floor_us(weights))
         for b in map(int, args.batches.split(",")):
             sets = [(jnp.asarray(rng.standard_normal((b, k), np.float32), jnp.bfloat16), w)
                     for w in weights]
@@ -100,6 +103,7 @@ def oproj_rows(args, bandwidth):
                              speedup=profiles["xla_dot"].span_us / span,
                              kernel_of_read=floor / kernel, of_read=floor / span, floor_us=floor,
                              read_us=read_us, of_same_read=read_us / span,
+                             kernel_of_same_read=read_us / kernel,
                              kernels={name: p.kernel_us for name, p in profiles.items()}))
     return rows
 
@@ -282,6 +286,7 @@ def main(argv=None):
                          ("kernel of read BW", "{kernel_of_read:.0%}"),
                          ("same-size read µs", "{read_us:.2f}"),
                          ("producer µs of it", "{of_same_read:.0%}"),
+                         ("kernel of it", "{kernel_of_same_read:.0%}"),
                          ("floor µs", "{floor_us:.2f}")])
     if "tail" in parts:
         times = tail_times(args)

@@ -163,6 +163,17 @@ def test_output_norm_shares_the_logits_exchange(tmp_path, blocks, stats, exchang
     assert not re.findall(r"barrier\.cluster\.arrive(?!\.relaxed)", bodies[0])
 
 
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_standalone_kernel_reads_each_input_once(tmp_path, k):
+    """The standalone AttnRes kernel holds the saved blocks in registers from their partial
+    sums to the mix: one 16-byte load per thread of each of its K blocks and of the prefix,
+    delta and three weight vectors, none read again after the exchange."""
+    bodies = [body for name, body in entries(kept_ptx(standalone_script(k), tmp_path))
+              if "AttnRes" in name]
+    assert len(bodies) == 1
+    assert len(re.findall(r"ld\.global\.", bodies[0])) == k + 5
+
+
 def test_standalone_kernels_have_a_register_budget(tmp_path):
     """The standalone AttnRes and statistics kernels carry `.minnctapersm`: with a budget ptxas
     issues every saved block's load at once (without one it holds K = 8 to about 75

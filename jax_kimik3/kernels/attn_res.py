@@ -189,13 +189,13 @@ class AttnResKernel:
     def __init__(self, variant: AttnResVariant, *, capped: bool = False, holding: bool = False):
         """`capped`: the fused tail's row, under its register cap: fewer first polls in
         flight (FUSED_POLLS_AHEAD slots past the one it checks, not every slot's).
-        `holding`: a tail's kernel over few rows per rank (tail.Tail) holds what it reads
-        again after the poll in registers across it (the saved blocks, the prefix, the
-        output-norm weight), rather than reading it from L1 again."""
-        if holding and (capped or variant.reduction is None):
-            raise ValueError(f"AttnRes kernel: holding=True is for a tail's kernel (a "
-                             f"reduction, not capped); got capped={capped}, "
-                             f"reduction={variant.reduction}")
+        `holding`: the kernel holds the saved blocks in registers from their first read to
+        the mix, and in a tail the prefix and output-norm weight across the poll, rather than
+        reading them from L1 again: the standalone kernel (within its register budget) and a
+        tail's kernel over few rows per rank (tail.Tail)."""
+        if holding and capped:
+            raise ValueError("AttnRes kernel: holding=True is not for the fused tail's row "
+                             "(capped=True): held, its inputs spill")
         self.v = variant
         self.ranks = variant.ranks
         self.holding = holding
@@ -309,22 +309,22 @@ class AttnResKernel:
             keys.append((load_f32(t.ahead_norm_w, col) * load_f32(t.ahead_proj_w, col), v.eps))
         # The inputs are read here, before the cluster exchanges (and a tail's wait for its
         # rows), so no load waits behind a barrier; the saved blocks' partial sums too. What
-        # is used again after the poll and the exchange is held (bf16) in registers when
-        # `holding` (read again, it costs a B <= 16 tail 0.1-0.7 µs: benchmarks/RESULTS.md),
-        # else read again from L1: that keeps a B = 64 grid in one wave, and the fused tail's
-        # row under its 64-register cap (held, the prefix and output-norm weight spill 48
-        # bytes at K = 8).
+        # is used again after the exchange (and a tail's poll) is held (bf16) in registers
+        # when `holding` (read again, it costs a B <= 16 tail 0.1-0.7 µs and the standalone
+        # kernel 0.07-0.25 µs: benchmarks/RESULTS.md), else read again from L1: that keeps a
+        # tail's B = 64 grid in one wave, and the fused tail's row under its 64-register cap
+        # (held, the prefix and output-norm weight spill 48 bytes at K = 8).
         saved, partials = [], []
         for s in cutlass.range_constexpr(v.sources - 1):
             saved.append(load_vector(t.blocks, (row, s, col)))
             partials.append(source_partials(saved[-1].to(Float32), keys))
         prefix, delta, out_w, mixture, scal = None, None, None, None, None
-        if cutlass.const_expr(self.holding):
+        if cutlass.const_expr(self.holding and v.reduction is not None):  # across the poll
             if cutlass.const_expr(v.has_delta):
                 prefix = load_vector(t.prefix, (row, col))
             if cutlass.const_expr(v.out_norm):
                 out_w = load_vector(t.out_norm_w, col)
-        if cutlass.const_expr(v.reduction is None):
+        if cutlass.const_expr(v.reduction is None):  # nothing comes between: held as fp32
             prefix = load_f32(t.prefix, (row, col))
             if cutlass.const_expr(v.has_delta):
                 delta = load_f32(t.delta, (row, col))
@@ -401,10 +401,8 @@ class AttnResKernel:
                 sq = cluster_sums([(mix * mix).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)],
                                   norm_warp, norm_cluster, CLUSTER, cta, norm_landed)[0]
             r = cute.math.rsqrt(sq * (1.0 / HIDDEN) + v.out_eps)
-            if cutlass.const_expr(self.holding):
-                out_w = out_w.to(Float32)
-            elif cutlass.const_expr(v.reduction is not None):
-                out_w = load_f32(t.out_norm_w, col)
+            if cutlass.const_expr(v.reduction is not None):
+                out_w = out_w.to(Float32) if self.holding else load_f32(t.out_norm_w, col)
             mix = mix * r * out_w
         if cutlass.const_expr(v.reduction is not None):
             mix = mix * scale
@@ -481,7 +479,7 @@ class StatisticsKernel:
 @functools.cache
 def attn_res_kernel(variant: AttnResVariant) -> AttnResKernel:
     """One kernel object per variant: cutlass_call's compile cache is keyed by it."""
-    return AttnResKernel(variant)
+    return AttnResKernel(variant, holding=True)
 
 
 @functools.cache
