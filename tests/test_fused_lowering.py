@@ -156,7 +156,7 @@ def test_fused_ptx(tmp_path):
     assert ptx.count(".entry") == 1
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert "ld.global.nc.L1::no_allocate.L2::256B.v4.u32" in ptx
-    assert "fence.acq_rel.sys" in ptx
+    assert "fence.release.sys" in ptx and "fence.acq_rel.sys" not in ptx
     # Publish: one store per rank's mailbox (TP 4), and the re-arms.
     assert ptx.count("st.relaxed.sys.global.v4.b32") >= 4 + 4
     # Polls: a first load and the loop's load per rank's slot.

@@ -5,14 +5,16 @@ Memory semantics of the mailbox (docs/protocol.md has the argument):
 - every store a peer polls for (publish, the two-shot owner's gather store, re-arm, the
   FAILED word) is a strong `st.relaxed.sys`; every poll a strong `ld.relaxed.sys`, which
   re-reads memory each time: no data race in PTX's memory model, no cached copy;
-- every thread of a publishing kernel runs `fence.acq_rel.sys` first, at the kernel's start:
+- every thread of a publishing kernel runs `fence.release.sys` first, at the kernel's start:
   the earlier kernels of its stream (the previous call's polls and re-arms) are complete when
   it starts, and the fence followed by the thread's strong stores is a release pattern, so the
-  re-arms are ordered before the publish at system scope and what those polls observed of the
-  peers' rows is acquired first: no peer can see this call's rows and publish the next call's
-  into a slot this rank still re-arms. (At the start the thread has nothing in flight, so the
-  fence costs little; before the publish it waited for the GEMM's loads.) The two-shot owner
-  fences between its poll and its gather store, which it makes from what it polled;
+  re-arms, and the polls with what they observed of the peers' rows (a release is
+  cumulative), are ordered before the publish at system scope: no peer can see this call's
+  rows and publish the next call's into a slot this rank still re-arms. A release, not
+  acq_rel: no later load of the kernel needs ordering, and the acquire half invalidates the
+  SM's L1 (CCTL.IVALL). (At the start the thread has nothing in flight, so the fence costs
+  little; before the publish it waited for the GEMM's loads.) The two-shot owner fences
+  between its poll and its gather store, which it makes from what it polled;
 - control words of this rank (call counter, arrivals) are read and written by this rank's
   kernels only, ordered by kernel boundaries and GPU-scope atomics: each CTA of a call's last
   kernel `arrive`s (a release) once it is done with the call counter, and the last one, once
@@ -357,9 +359,11 @@ def fence_gpu(*, loc=None, ip=None):
 
 @dsl_user_op
 def fence_system(*, loc=None, ip=None):
-    """fence.acq_rel.sys: this thread's earlier memory operations (and, by the kernel
-    boundary, its rank's earlier kernels') are ordered before its later ones at system scope."""
-    _asm(None, [], "fence.acq_rel.sys;", "", effects=True, loc=loc, ip=ip)
+    """fence.release.sys: this thread's earlier memory operations (and, by the kernel
+    boundary, its rank's earlier kernels') are ordered before its later stores at system
+    scope; with a later strong store, a release pattern. (No acquire: the acq_rel fence would
+    also invalidate the SM's L1, CCTL.IVALL in SASS, which no later load here needs.)"""
+    _asm(None, [], "fence.release.sys;", "", effects=True, loc=loc, ip=ip)
 
 
 def received_slots(wait, row, vec, *, two_shot):
