@@ -1,6 +1,8 @@
 """CPU: the o_proj producer compiles for sm_90a at every TP's K and lowers to its custom call,
 alone or as the first kernel of the tail call."""
 
+import re
+
 import jax.numpy as jnp
 import pytest
 
@@ -96,29 +98,42 @@ def test_two_shot_tail_adds_the_owner(tmp_path, two_shot):
         assert ("griddepcontrol.wait" in body) == (not first), name
 
 
-def test_register_budget_only_at_its_tile_counts(tmp_path):
-    """The producer's launch carries a register budget (.minnctapersm) at the (K, B tiles) of
-    geometry.PRODUCER_BUDGETS unless it publishes two-shot, and with two row groups per CTA
-    (from PRODUCER_GROUPED_TILES) the one that keeps its CTAs in one wave; none elsewhere."""
-    from jax_kimik3.kernels.geometry import (PRODUCER_BUDGETS, PRODUCER_CTAS_PER_SM,
-                                             PRODUCER_GROUPED_CTAS_PER_SM,
+@pytest.mark.parametrize("tp, tiles, publish", [
+    (8, 1, None), (8, 1, "one_shot"), (8, 2, None), (8, 2, "one_shot"), (8, 2, "two_shot"),
+    (8, 8, None), (8, 8, "one_shot"), (16, 2, None), (16, 2, "one_shot")])
+def test_register_budget_only_at_its_tile_counts(tmp_path, tp, tiles, publish):
+    """The producer's launch carries the register budget (.minnctapersm) of
+    geometry.PRODUCER_BUDGETS at its (K, B tiles), the plain product's or the one-shot
+    publish's, none when it publishes two-shot; with two row groups per CTA (from
+    PRODUCER_GROUPED_TILES) the one that keeps its CTAs in one wave; none elsewhere."""
+    from jax_kimik3.kernels.geometry import (PRODUCER_BUDGETS, PRODUCER_GROUPED_CTAS_PER_SM,
                                              PRODUCER_GROUPED_TILES)
 
-    for tp, tiles, two_shot in ((8, 1, False), (8, 2, False), (8, 2, True), (8, 8, False),
-                                (16, 2, False)):
-        (tmp_path / f"{tp}{tiles}{two_shot}").mkdir()
-        ptx = kept_ptx(f"""
+    k, b = K_TOTAL // tp, 8 * tiles
+    if publish is None:
+        script = f"""
+            import jax
+            from jax_kimik3.kernels import producer_ops
+            from tests.lowering import lower_for_cuda, spec
+            lower_for_cuda(producer_ops.project, spec({b}, {k}), spec({H}, {k}))
+        """
+    else:
+        script = f"""
             from tests.test_producer_lowering import split_tail
-            split_tail({tp}, {8 * tiles}, two_shot={two_shot})
-        """, tmp_path / f"{tp}{tiles}{two_shot}")
-        (producer_entry,) = [name for name, _ in entries(ptx) if "Producer" in name]
-        head = ptx[ptx.index(producer_entry):]
-        head = head[:head.index("{")]
-        budget = f".minnctapersm {PRODUCER_CTAS_PER_SM}" in head
-        wanted = (K_TOTAL // tp, tiles) in PRODUCER_BUDGETS and not two_shot
-        assert budget == wanted, (tp, tiles, two_shot)
-        grouped = f".minnctapersm {PRODUCER_GROUPED_CTAS_PER_SM}" in head
-        assert grouped == (tiles >= PRODUCER_GROUPED_TILES), (tp, tiles, two_shot)
+            split_tail({tp}, {b}, two_shot={publish == "two_shot"})
+        """
+    ptx = kept_ptx(script, tmp_path)
+    (producer_entry,) = [name for name, _ in entries(ptx) if "Producer" in name]
+    head = ptx[ptx.index(producer_entry):]
+    head = head[:head.index("{")]
+    budgets = re.findall(r"\.minnctapersm (\d+)", head)
+    if (k, tiles) in PRODUCER_BUDGETS and publish != "two_shot":
+        wanted = [str(PRODUCER_BUDGETS[k, tiles][publish is not None])]
+    elif tiles >= PRODUCER_GROUPED_TILES:
+        wanted = [str(PRODUCER_GROUPED_CTAS_PER_SM)]
+    else:
+        wanted = []
+    assert budgets == wanted
 
 
 @pytest.mark.parametrize("tiles", range(1, 9))

@@ -11,16 +11,19 @@ THREADS = KIMI_K3.hidden_size // (CLUSTER * VECTOR)  # 128 per AttnRes CTA, a ve
 ROWS = 16  # rows of w per o_proj producer CTA: the mma's M
 TOKENS = 8  # tokens per producer B tile: the mma's N
 PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
-# (K, B tile count) pairs at which the o_proj producer has a register budget (.minnctapersm 4:
-# 64 registers) unless it publishes two-shot, so that ptxas keeps more of a warp's weight
-# loads in flight: the producer ends 0.3-0.6 µs sooner, but its CTAs then fill the SMs'
-# registers and the tail's next kernel (a dependent launch) starts only as they retire. Split
-# tail of one rank at two tiles (B = 12 and 16), against no budget in the same call: TP 8
-# (K = 1536) 0.1-0.3 µs faster (the two-shot tail 0.4 µs slower); TP 4 (K = 3072) level to
-# 0.2 µs slower; TP 16 (K = 768) 0.4-0.6 µs slower. At one tile (B = 1-8, TP 8), 0.45 µs
-# slower at B = 8.
-PRODUCER_BUDGETS = ((1536, 2),)
-PRODUCER_CTAS_PER_SM = 4
+# The o_proj producer's register budgets (.minnctapersm: CTAs per SM) by (K, B tile count):
+# (plain product, one-shot publish); none elsewhere, nor when it publishes two-shot. Without
+# one ptxas keeps it at 40 registers with 2-3 of a lane's 12 weight loads in flight; with 4
+# (64 registers) it keeps more in flight, and with 5 (48) fewer, but then an SM that holds
+# three producer CTAs still has room for one CTA of the tail's next kernel (AttnRes, a
+# dependent launch, 128 threads of 135-157 registers); at 4 it starts only as producer CTAs
+# retire. Measured at K = 1536 (TP 8), same call, two rounds (session 22), µs, B = 1 / 8 / 16:
+# plain kernel: none 7.72 / 8.48-8.50 / -, 4 7.46 / 7.66 / 8.79, 5 7.51-7.52 / 8.15 /
+# 8.73-8.77 (main had 4 at two tiles: 8.74-8.75); one rank's split tail: none 12.86-12.88 /
+# 12.94 / -, 4 12.52 / 13.24 / 14.34 (main: 14.33-14.41), 5 12.58 / 12.89-12.96 /
+# 14.25-14.28. Earlier, at two tiles (B = 12, 16), 4 against none: TP 4 (K = 3072) level to
+# 0.2 µs slower, TP 16 (K = 768) 0.4-0.6 µs slower; those K have none.
+PRODUCER_BUDGETS = {(1536, 1): (4, 5), (1536, 2): (4, 5)}
 # B tiles from which a producer CTA takes two 16-row groups of w (224 CTAs per rank), so that
 # each x load, which every CTA makes from L2, feeds twice the rows. With it, one TP8 rank's
 # two-shot tail: B = 32 17.8 µs against 21.1, B = 64 23.3 against 26.1 (same call). Its

@@ -19,8 +19,9 @@ one rank's w (R·N/(16·G) CTAs; G = 1: 448 per rank); its WARPS warps split K a
   producer lets the call's next kernel launch at once (`griddepcontrol.launch_dependents`,
   kernels/tail.py); only its threads that publish run the release fence.
 At the (K, B tile count) pairs of geometry.PRODUCER_BUDGETS the launch has a register budget
-(.minnctapersm) that keeps more weight loads in flight, except where it publishes two-shot;
-with two groups, one that keeps every CTA in one wave.
+(.minnctapersm), one for the plain product (more weight loads in flight) and one for the
+one-shot publish (room beside it for the tail's next kernel), none where it publishes
+two-shot; with two groups, one that keeps every CTA in one wave.
 Token rows past B read row B - 1 (no branch in the loop) and are never stored.
 """
 
@@ -34,9 +35,9 @@ from cutlass import Float32, Int32, Int64
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.geometry import PRODUCER_WARPS as WARPS
-from jax_kimik3.kernels.geometry import (PRODUCER_BUDGETS, PRODUCER_CTAS_PER_SM,
-                                         PRODUCER_GROUPED_CTAS_PER_SM, PRODUCER_GROUPED_TILES,
-                                         ROWS, TOKENS, VECTOR, VECTOR_BYTES, WARP)
+from jax_kimik3.kernels.geometry import (PRODUCER_BUDGETS, PRODUCER_GROUPED_CTAS_PER_SM,
+                                         PRODUCER_GROUPED_TILES, ROWS, TOKENS, VECTOR,
+                                         VECTOR_BYTES, WARP)
 from jax_kimik3.kernels.lamport import publish_words
 from jax_kimik3.kernels.primitives import (call_of, f32_to_words, fence_system,
                                            let_next_launch, load_words, mma_bf16, stream_words,
@@ -72,11 +73,13 @@ class OprojProducer:
     @property
     def launch_config(self) -> dict:
         """Block, shared memory and, at PRODUCER_BUDGETS unless it publishes two-shot, the
-        register budget."""
+        register budget of the plain product or of the one-shot publish."""
         config = dict(block=[WARPS * WARP, 1, 1], smem=self.smem_bytes)
-        two_shot = self.publish is not None and self.publish.two_shot
-        if (self.k, self.tiles) in PRODUCER_BUDGETS and not two_shot:  # -1: no device query
-            config.update(min_blocks_per_mp=PRODUCER_CTAS_PER_SM, preferred_smem_carveout=-1)
+        budget = PRODUCER_BUDGETS.get((self.k, self.tiles))
+        if budget is not None and not (self.publish is not None and self.publish.two_shot):
+            plain, one_shot = budget  # -1: no device query
+            config.update(min_blocks_per_mp=plain if self.publish is None else one_shot,
+                          preferred_smem_carveout=-1)
         elif self.groups > 1:
             config.update(min_blocks_per_mp=PRODUCER_GROUPED_CTAS_PER_SM,
                           preferred_smem_carveout=-1)
