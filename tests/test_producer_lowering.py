@@ -100,7 +100,8 @@ def test_two_shot_tail_adds_the_owner(tmp_path, two_shot):
 
 @pytest.mark.parametrize("tp, tiles, publish", [
     (8, 1, None), (8, 1, "one_shot"), (8, 2, None), (8, 2, "one_shot"), (8, 2, "two_shot"),
-    (8, 8, None), (8, 8, "one_shot"), (16, 2, None), (16, 2, "one_shot")])
+    (8, 8, None), (8, 8, "one_shot"), (4, 1, "one_shot"), (4, 2, "one_shot"), (16, 1, None),
+    (16, 2, None), (16, 2, "one_shot")])
 def test_register_budget_only_at_its_tile_counts(tmp_path, tp, tiles, publish):
     """The producer's launch carries the register budget (.minnctapersm) of
     geometry.PRODUCER_BUDGETS at its (K, B tiles), the plain product's or the one-shot
@@ -127,8 +128,9 @@ def test_register_budget_only_at_its_tile_counts(tmp_path, tp, tiles, publish):
     head = ptx[ptx.index(producer_entry):]
     head = head[:head.index("{")]
     budgets = re.findall(r"\.minnctapersm (\d+)", head)
-    if (k, tiles) in PRODUCER_BUDGETS and publish != "two_shot":
-        wanted = [str(PRODUCER_BUDGETS[k, tiles][publish is not None])]
+    budget = PRODUCER_BUDGETS.get((k, tiles), (None, None))[publish is not None]
+    if budget is not None and publish != "two_shot":
+        wanted = [str(budget)]
     elif tiles >= PRODUCER_GROUPED_TILES:
         wanted = [str(PRODUCER_GROUPED_CTAS_PER_SM)]
     else:

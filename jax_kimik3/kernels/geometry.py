@@ -12,18 +12,21 @@ ROWS = 16  # rows of w per o_proj producer CTA: the mma's M
 TOKENS = 8  # tokens per producer B tile: the mma's N
 PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 # The o_proj producer's register budgets (.minnctapersm: CTAs per SM) by (K, B tile count):
-# (plain product, one-shot publish); none elsewhere, nor when it publishes two-shot. Without
-# one ptxas keeps it at 40 registers with 2-3 of a lane's 12 weight loads in flight; with 4
-# (64 registers) it keeps more in flight, and with 5 (48) fewer, but then an SM that holds
-# three producer CTAs still has room for one CTA of the tail's next kernel (AttnRes, a
-# dependent launch, 128 threads of 135-157 registers); at 4 it starts only as producer CTAs
-# retire. Measured at K = 1536 (TP 8), same call, two rounds (session 22), µs, B = 1 / 8 / 16:
-# plain kernel: none 7.72 / 8.48-8.50 / -, 4 7.46 / 7.66 / 8.79, 5 7.51-7.52 / 8.15 /
-# 8.73-8.77 (main had 4 at two tiles: 8.74-8.75); one rank's split tail: none 12.86-12.88 /
-# 12.94 / -, 4 12.52 / 13.24 / 14.34 (main: 14.33-14.41), 5 12.58 / 12.89-12.96 /
-# 14.25-14.28. Earlier, at two tiles (B = 12, 16), 4 against none: TP 4 (K = 3072) level to
-# 0.2 µs slower, TP 16 (K = 768) 0.4-0.6 µs slower; those K have none.
-PRODUCER_BUDGETS = {(1536, 1): (4, 5), (1536, 2): (4, 5)}
+# (plain product, one-shot publish), None or absent: none; none either when it publishes
+# two-shot. Without one ptxas keeps it at 32-48 registers with 2-3 of a lane's weight loads in
+# flight; with 4 (64 registers) it keeps more in flight, and with 5 (48) fewer, but then an
+# SM that holds three producer CTAs still has room for one CTA of the tail's next kernel
+# (AttnRes, a dependent launch, 128 threads of 135-157 registers); at 4 it starts only as
+# producer CTAs retire. Measured on the H200, same calls (session 22), µs at B = 1 / 8 / 16:
+# - K = 1536 (TP 8), plain kernel: none 7.70-7.72 / 8.47-8.50 / -, 4 7.40-7.46 / 7.60-7.66 /
+#   8.69-8.79, 5 7.51 / 8.15 / 8.73-8.77; one rank's split tail: none 12.85-12.88 /
+#   12.94-12.95 / -, 4 12.52 / 13.24 / 14.33-14.41, 5 12.58 / 12.86-12.96 / 14.14-14.28;
+# - K = 3072 (TP 4), plain: none 13.47 / 14.36 / 15.37, 4 13.32 / 13.88 / 16.24; tail: none
+#   18.42-18.44 / 18.70-18.76 / 20.28-20.38, 5 17.35-17.36 / 17.80-17.83 / 24.50-24.56;
+# - K = 768 (TP 16), plain: none 4.63 / 4.97 / 5.24, 4 4.38 / 4.60 / 5.42; tail: none
+#   12.35-12.37 / 12.53-12.58 / 14.91, 5 12.41-12.42 / 12.38-12.43 / 14.73-14.83.
+PRODUCER_BUDGETS = {(768, 1): (4, 5), (768, 2): (None, 5), (1536, 1): (4, 5),
+                    (1536, 2): (4, 5), (3072, 1): (4, 5)}
 # B tiles from which a producer CTA takes two 16-row groups of w (224 CTAs per rank), so that
 # each x load, which every CTA makes from L2, feeds twice the rows. With it, one TP8 rank's
 # two-shot tail: B = 32 17.8 µs against 21.1, B = 64 23.3 against 26.1 (same call). Its

@@ -75,11 +75,11 @@ class OprojProducer:
         """Block, shared memory and, at PRODUCER_BUDGETS unless it publishes two-shot, the
         register budget of the plain product or of the one-shot publish."""
         config = dict(block=[WARPS * WARP, 1, 1], smem=self.smem_bytes)
-        budget = PRODUCER_BUDGETS.get((self.k, self.tiles))
-        if budget is not None and not (self.publish is not None and self.publish.two_shot):
-            plain, one_shot = budget  # -1: no device query
-            config.update(min_blocks_per_mp=plain if self.publish is None else one_shot,
-                          preferred_smem_carveout=-1)
+        plain, one_shot = PRODUCER_BUDGETS.get((self.k, self.tiles), (None, None))
+        two_shot = self.publish is not None and self.publish.two_shot
+        budget = None if two_shot else plain if self.publish is None else one_shot
+        if budget is not None:  # -1: no device query
+            config.update(min_blocks_per_mp=budget, preferred_smem_carveout=-1)
         elif self.groups > 1:
             config.update(min_blocks_per_mp=PRODUCER_GROUPED_CTAS_PER_SM,
                           preferred_smem_carveout=-1)
