@@ -27,15 +27,16 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 #   B = 17 on: the producer kernel at every B since "Session 19" (two row groups per producer
 #   CTA from B = 25: 3.1-4.6 µs ahead of the best tail on XLA's dot at B = 24, 32, 48, 64).
 # 3072 and 768 (TP 4, 16): whole virtual-TP groups, "Tail variants" and "Session 4", 2026-11-29
-#   (fused to B = 4, the producer kernel to B = 16); at 3072 the producer kernel again at
-#   B = 25-32, per rank in "Session 19" (2.7 µs ahead of XLA's dot at B = 32; level at B = 24
-#   and 48, 3 µs behind at 64); XLA's dot at K = 12288 (TP 1): "o_proj producer kernel vs
-#   XLA's dot".
+#   (the producer kernel to B = 16); per rank at B = 1, 2, 4 in "Session 22", where split is
+#   2.5-4.8 µs ahead of fused (the groups had chosen fused there); at 3072 the producer kernel
+#   again at B = 25-32, per rank in "Session 19" (2.7 µs ahead of XLA's dot at B = 32; level
+#   at B = 24 and 48, 3 µs behind at 64); XLA's dot at K = 12288 (TP 1): "o_proj producer
+#   kernel vs XLA's dot".
 TAIL_VARIANTS: dict[int, tuple[tuple[int, TailVariant], ...]] = {
     6144: ((8, "split"), (16, "fused")),
-    3072: ((4, "fused"), (16, "split"), (24, "xla"), (32, "split")),
+    3072: ((16, "split"), (24, "xla"), (32, "split")),
     1536: ((64, "split"),),
-    768: ((4, "fused"), (16, "split")),
+    768: ((16, "split"),),
 }
 
 

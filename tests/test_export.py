@@ -61,7 +61,7 @@ def test_exported_decode_step_runs_without_the_dsl(tmp_path):
     assert got["platforms"] == ["cuda"] and got["devices"] == 2 and not got["dsl"]
     assert got["table"] == "uint32[2,3,2]"  # a [3, 2] block per device: MeshMailbox.table
     # Each kernel's custom call holds its host object and, inside that, its cubin: two ELFs.
-    # At least: each layer's pre-attention AttnRes and its tail (fused at B = 4, TP 2: one
+    # At least: each layer's pre-attention AttnRes and its tail (at B = 4, TP 2: one
     # call), and the final AttnRes.
     assert got["calls"] >= 4 and got["objects"] == 2 * got["calls"]
 

@@ -77,7 +77,7 @@ def test_fused_grid_is_every_co_resident_cluster_it_needs():
     assert fused.OprojAttnResFused(4, 1536, many, residency.FALLBACK_CLUSTERS).clusters == 69
 
 
-@pytest.mark.parametrize("b,tp", [(1, 8), (8, 16), (16, 8), (64, 8), (8, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("b,tp", [(1, 8), (8, 16), (16, 8), (64, 8), (8, 1), (1, 2), (12, 2)])
 def test_tail_takes_the_table_variant(b, tp):
     """tuning.tail_variant decides: fused (one persistent kernel), split (the tail call with
     the producer kernel, compiled for B and K), xla (XLA's dot, then the tail call for any B);

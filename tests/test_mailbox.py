@@ -197,7 +197,7 @@ jax.jit(f).trace(jax.ShapeDtypeStruct((32, 7168), jnp.bfloat16)).lower(lowering_
 @pytest.mark.parametrize("b,tp", [(4, 2), (8, 2), (8, 8), (64, 8)])
 def test_virtual_tail_lowers_to_the_table_variant(b, tp):
     """oproj_attn_res_virtual with a mailbox: every rank's tail in ONE custom call, the
-    table's variant (fused at B <= 4; split to B = 16; XLA's dot beyond: its dot_general)."""
+    table's variant (split at these B, or XLA's dot: its dot_general)."""
     from jax_kimik3 import tuning
     variant = tuning.tail_variant(b, K_TOTAL // tp)
     f = functools.partial(k3.oproj_attn_res_virtual, num_blocks=3, has_delta=True,

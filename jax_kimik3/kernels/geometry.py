@@ -12,19 +12,20 @@ ROWS = 16  # rows of w per o_proj producer CTA: the mma's M
 TOKENS = 8  # tokens per producer B tile: the mma's N
 PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 # The o_proj producer's register budgets (.minnctapersm: CTAs per SM) by (K, B tile count):
-# (plain product, one-shot publish), None or absent: none; none either when it publishes
-# two-shot. Without one ptxas keeps it at 32-48 registers with 2-3 of a lane's weight loads in
-# flight; with 4 (64 registers) it keeps more in flight, and with 5 (48) fewer, but then an
-# SM that holds three producer CTAs still has room for one CTA of the tail's next kernel
-# (AttnRes, a dependent launch, 128 threads of 135-157 registers); at 4 it starts only as
-# producer CTAs retire. Measured on the H200, same calls (session 22), µs at B = 1 / 8 / 16:
-# - K = 1536 (TP 8), plain kernel: none 7.70-7.72 / 8.47-8.50 / -, 4 7.40-7.46 / 7.60-7.66 /
-#   8.69-8.79, 5 7.51 / 8.15 / 8.73-8.77; one rank's split tail: none 12.85-12.88 /
-#   12.94-12.95 / -, 4 12.52 / 13.24 / 14.33-14.41, 5 12.58 / 12.86-12.96 / 14.14-14.28;
-# - K = 3072 (TP 4), plain: none 13.47 / 14.36 / 15.37, 4 13.32 / 13.88 / 16.24; tail: none
-#   18.42-18.44 / 18.70-18.76 / 20.28-20.38, 5 17.35-17.36 / 17.80-17.83 / 24.50-24.56;
-# - K = 768 (TP 16), plain: none 4.63 / 4.97 / 5.24, 4 4.38 / 4.60 / 5.42; tail: none
-#   12.35-12.37 / 12.53-12.58 / 14.91, 5 12.41-12.42 / 12.38-12.43 / 14.73-14.83.
+# (plain product, one-shot publish); None or absent: none, and none when it publishes
+# two-shot. The budget decides how many weight loads ptxas issues ahead of their mma (K =
+# 1536, one tile: 3 of a lane's 12 with none, at 40 registers; 8 with 4, at 64; 5 with 5, at
+# 48). The plain product takes 4. The one-shot publish takes 5: an SM that holds three
+# producer CTAs then still has room for one CTA of the tail's next kernel (AttnRes, a
+# dependent launch, 128 threads of 135-157 registers), which at 4 starts only as producer CTAs
+# retire. Measured on the H200 (benchmarks/RESULTS.md, session 22), µs at B = 1 / 8 / 16,
+# without → with:
+# - K = 1536: plain kernel 7.70 / 8.47 / 8.69 → 7.40 / 7.60 / 8.69; one TP8 rank's split tail
+#   12.85 / 12.95 / 14.35 → 12.58 / 12.86 / 14.25 (B = 16: against 4, the budget before);
+# - K = 3072, one tile: plain 13.47 / 14.36 → 13.32 / 13.88, tail 18.42 / 18.70 → 17.35 /
+#   17.80 (at two tiles 5 made the tail 4.2 µs slower and 4 the kernel 0.9);
+# - K = 768: plain 4.63 / 4.97 → 4.38 / 4.60 (at two tiles 0.2 slower), tail 12.35 / 12.53 /
+#   14.91 → 12.41 / 12.38 / 14.73.
 PRODUCER_BUDGETS = {(768, 1): (4, 5), (768, 2): (None, 5), (1536, 1): (4, 5),
                     (1536, 2): (4, 5), (3072, 1): (4, 5)}
 # B tiles from which a producer CTA takes two 16-row groups of w (224 CTAs per rank), so that
