@@ -5,7 +5,8 @@ Memory semantics of the mailbox (docs/protocol.md has the argument):
 - every store a peer polls for (publish, the two-shot owner's gather store, re-arm, the
   FAILED word) is a strong `st.relaxed.sys`; every poll a strong `ld.relaxed.sys`, which
   re-reads memory each time: no data race in PTX's memory model, no cached copy;
-- every thread of a publishing kernel runs `fence.release.sys` first, at the kernel's start:
+- every thread of a publishing kernel that stores into a mailbox (in the producer only those;
+  the others need not) runs `fence.release.sys` first, at the kernel's start:
   the earlier kernels of its stream (the previous call's polls and re-arms) are complete when
   it starts, and the fence followed by the thread's strong stores is a release pattern, so the
   re-arms, and the polls with what they observed of the peers' rows (a release is
