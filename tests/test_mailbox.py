@@ -215,7 +215,7 @@ MEMORY_MODEL = [  # (what the PTX must hold, why)
     ("fence.release.sys", "publishing kernels fence (release) before their stores"),
     ("%globaltimer", "waits are bounded by time"),
     ("atom.release.gpu.global.add.u32", "the CTAs of a call's last kernel count their arrivals"),
-    ("fence.acq_rel.gpu", "the last to arrive acquires the others' reads of the counter"),
+    ("fence.acquire.gpu", "the last to arrive acquires the others' reads of the counter"),
     ("red.relaxed.gpu.global.add.u32", "the last CTA advances the call counter"),
     ("red.relaxed.gpu.global.or.b32", "a timeout records the missing ranks"),
 ]
@@ -287,6 +287,7 @@ jax.jit(f).trace(jax.ShapeDtypeStruct((1, 8, 7168), jnp.bfloat16)).lower(
     for text, why in MEMORY_MODEL:
         assert text in ptx, why
     assert "fence.acq_rel.sys" not in ptx  # its acquire half would invalidate the SM's L1
+    assert "fence.acq_rel.gpu" not in ptx  # its release half would wait for the CTA's stores
     assert "ld.volatile" not in ptx
     publishers = [(name, body) for name, body in entries(ptx) if any(
         k in name for k in ("cutlass_publish_", "OprojProducer", "OprojAttnResFused"))]

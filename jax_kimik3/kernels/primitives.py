@@ -353,9 +353,11 @@ def add_word(address: Int64, value, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def fence_gpu(*, loc=None, ip=None):
-    """fence.acq_rel.gpu: after a strong read, an acquire at GPU scope."""
-    _asm(None, [], "fence.acq_rel.gpu;", "", effects=True, loc=loc, ip=ip)
+def fence_acquire_gpu(*, loc=None, ip=None):
+    """fence.acquire.gpu: after a strong read, an acquire pattern at GPU scope (PTX 8.6+). In
+    SASS only `CCTL.IVALL`; acq_rel would add `MEMBAR.ALL.GPU`, which waits for this thread's
+    earlier stores, and nothing after it needs them first."""
+    _asm(None, [], "fence.acquire.gpu;", "", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -604,11 +606,15 @@ def finish_call(arrival, table: cute.Tensor, ranks: cute.Tensor, count: cutlass.
                 layout: cutlass.Constexpr):
     """By the thread that `arrive`d, with its result, once every earlier kernel of the call has
     completed (`wait_for_previous`): the last CTA to arrive acquires every CTA's reads of the
-    call counter (the fence), then advances the call counter of each of the launch's `count`
-    ranks, so the next call on them uses the other buffer. The stores need no round trip."""
+    call counter (its arrival's atom, then an acquire fence), then advances the call counter of
+    each of the launch's `count` ranks, so the next call on them uses the other buffer. The
+    stores need no round trip, and no earlier store of the kernel need come first: the next
+    call's kernels see them by the kernel boundary. (With acq_rel the fence's release half
+    waited for the thread's own stores, the row's out and re-arms: 0.2-0.3 µs of a TP8 rank's
+    tail, benchmarks/RESULTS.md, session 23.)"""
     gx, gy, gz = cute.arch.grid_dim()
     if arrival == Uint32(gx * gy * gz - 1):
-        fence_gpu()
+        fence_acquire_gpu()
         store_word(address_of(table, ranks[0]) + Int64(layout.word(CONTROL.ARRIVALS)),
                    Uint32(0))
         for i in cutlass.range_constexpr(count):
