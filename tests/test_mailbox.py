@@ -256,6 +256,18 @@ def test_two_shot_tail_counts_an_owners_nan_as_a_failure(tmp_path, two_shot):
     assert bool(nan_test) == two_shot
 
 
+@pytest.mark.parametrize("variant, b", [("split", 4), ("split", HOLDING_MAX_BATCH + 1),
+                                         ("xla", 4), ("fused", 4)])
+def test_tail_sums_the_saved_blocks_before_the_poll(tmp_path, variant, b):
+    """A tail's AttnRes row takes the warp sums of what the poll does not change (the saved
+    blocks' partial sums; holding, over three blocks, their pair sums too) before its first
+    poll loop, and only p's and the failure's (and the output norm's) after it."""
+    body = attn_res_body(tail_ptx(tmp_path, variant, b=b))
+    poll = body.find("nanosleep.u32")  # the first poll loop's pause
+    before, after = body[:poll].count("shfl.sync.bfly"), body[poll:].count("shfl.sync.bfly")
+    assert poll > 0 and before > 0 and after > 0, (before, after)
+
+
 @pytest.mark.parametrize("variant, b, holding", [
     ("split", 4, True), ("split", HOLDING_MAX_BATCH, True), ("split", HOLDING_MAX_BATCH + 1, False),
     ("xla", 4, False)])

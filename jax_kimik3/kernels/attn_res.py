@@ -13,7 +13,8 @@ thread owning one 8-wide bf16 vector. Per row:
    the logits' cluster exchange. Every CTA arrives once it has read the control words; the
    last, once the producers have completed, advances the ranks' call counters;
 2. per source (the K saved blocks, then p) the partial Σv² and Σv·g·w of each thread, summed
-   over the cluster through distributed shared memory (`primitives.cluster_sums`);
+   over the cluster through distributed shared memory (`primitives.cluster_sums`); in a tail
+   the saved blocks' are summed over each warp before the poll, and only p's after it;
 3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
    with precomputed statistics only p is reduced, and mix = (c·acc + w_p·p) / (c·s + w_p);
 4. the output RMSNorm: Σmix² over the cluster, then out = bf16(mix · rsqrt(Σmix²/H + eps) · g_out),
@@ -50,7 +51,8 @@ from jax_kimik3.kernels.primitives import (arm_exchange, arrive, call_of, cluste
                                            dependent_launch,
                                            finish_call, load_f32, load_vector, no_nan,
                                            one_or_nan, poll_sum, prefetch, rearm,
-                                           received_slots, store, vectors, wait_for_previous)
+                                           received_slots, store, vectors, wait_for_previous,
+                                           warp_sums)
 
 HIDDEN = KIMI_K3.hidden_size
 WARPS = THREADS // WARP
@@ -73,7 +75,7 @@ def _smem_bytes(reductions: int, values: int) -> int:
 @cute.jit
 def source_partials(source, keys: list):
     """This thread's Σv² and, per key (g·w of its columns, eps), Σv·g·w of one source (its
-    fp32 columns of a row): what `cluster_logits` sums over the cluster."""
+    fp32 columns of a row): what the logits' exchange sums over the cluster (`logits_of`)."""
     partials = [(source * source).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)]
     for gw, _ in keys:
         partials.append((source * gw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
@@ -81,22 +83,12 @@ def source_partials(source, keys: list):
 
 
 @cute.jit
-def cluster_logits(partials: list, keys: list, extra: list, warp_buf: cute.Tensor,
-                   cluster_buf: cute.Tensor, rank, landed=None):
-    """z = Σv·g·w · rsqrt(Σv²/H + eps) of each source from its `source_partials` under each
-    key: ([[z of each source] of each key], [cluster sum of each of the `extra` per-thread
-    values], [Σv² of each source]), every sum taken over the cluster in one exchange.
-    Completes the kernel's `cluster_arrive_relaxed` (peers' shared memory exists, they are
-    done with the last row's buffers) before the first DSMEM store; `landed`: as in
-    `cluster_sums`."""
-    values = [value for source in partials for value in source] + extra
-    cute.arch.cluster_wait()
-    sums = cluster_sums(values, warp_buf, cluster_buf, CLUSTER, rank, landed)
-    per = 1 + len(keys)
-    logits = [[sums[per * i + 1 + k] * cute.math.rsqrt(sums[per * i] * (1.0 / HIDDEN) + eps)
-               for i in range(len(partials))] for k, (_, eps) in enumerate(keys)]
-    squares = [sums[per * i] for i in range(len(partials))]
-    return logits, sums[len(sums) - len(extra):], squares
+def logits_of(source_sums: list, keys: list):
+    """z = Σv·g·w · rsqrt(Σv²/H + eps) of each source under each key, from each source's
+    cluster sums [Σv², Σv·g·w per key] (`source_partials` summed): [[z of each source] of each
+    key]."""
+    return [[sums[1 + k] * cute.math.rsqrt(sums[0] * (1.0 / HIDDEN) + eps)
+             for sums in source_sums] for k, (_, eps) in enumerate(keys)]
 
 
 @cute.jit
@@ -105,6 +97,15 @@ def pair_partials(sources: list):
     `mix_squares` reads them."""
     return [(sources[i] * sources[j]).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             for i in range(len(sources)) for j in range(i + 1, len(sources))]
+
+
+def in_pair_order(blocks: list, with_p: list) -> list:
+    """The pair sums of [b_0..b_{K-1}, p] in `pair_partials` order, from the saved blocks'
+    own (`blocks`, that order) and each block's with p (`with_p`)."""
+    pairs, among = [], iter(blocks)
+    for i in range(len(with_p)):
+        pairs += [next(among) for _ in range(i + 1, len(with_p))] + [with_p[i]]
+    return pairs
 
 
 @cute.jit
@@ -317,7 +318,19 @@ class AttnResKernel:
         saved, partials = [], []
         for s in cutlass.range_constexpr(v.sources - 1):
             saved.append(load_vector(t.blocks, (row, s, col)))
-            partials.append(source_partials(saved[-1].to(Float32), keys))
+            partials.extend(source_partials(saved[-1].to(Float32), keys))
+        # In a tail the exchange's values come in two runs: first what p does not change (the
+        # saved blocks' partial sums, and with one exchange their pair sums), warp-summed into
+        # `warp_buf` now, while the first polls are in flight; after the poll p's and the rest
+        # (`cluster_sums(first=)`). Left in the order of their use, ptxas put all of it after
+        # the poll, on the tail's critical path (a TP8 rank's split and two-shot tails are
+        # 0.05-0.2 µs faster this way at B <= 16: benchmarks/RESULTS.md, session 23).
+        gram = self.one_exchange and not v.precomputed  # with the pair sums of the sources
+        early = partials
+        if cutlass.const_expr(gram and v.reduction is not None):
+            early = early + pair_partials([block.to(Float32) for block in saved])
+        if cutlass.const_expr(v.reduction is not None):  # (the fused tail's last row is done
+            warp_sums(early, warp_buf)  # with warp_buf: its exchange ended in a cluster barrier)
         prefix, delta, out_w, mixture, scal = None, None, None, None, None
         if cutlass.const_expr(self.holding and v.reduction is not None):  # across the poll
             if cutlass.const_expr(v.has_delta):
@@ -360,12 +373,30 @@ class AttnResKernel:
         if cutlass.const_expr(self.one_exchange and v.precomputed):
             extra = extra + [(mixture * mixture).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
                              (mixture * p).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)]
-        elif cutlass.const_expr(self.one_exchange):
+        elif cutlass.const_expr(gram and v.reduction is not None):  # the blocks' own: early
+            extra = extra + [(block.to(Float32) * p).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                             for block in saved]
+        elif cutlass.const_expr(gram):
             extra = extra + pair_partials([block.to(Float32) for block in saved] + [p])
-        logits, sums, squares = cluster_logits(partials + [source_partials(p, keys)], keys,
-                                               extra, warp_buf, cluster_buf, cta, landed)
+        late = source_partials(p, keys) + extra
+        # Completes the kernel's `cluster_arrive_relaxed` (peers' shared memory exists, they
+        # are done with the last row's buffers) before the first DSMEM store.
+        cute.arch.cluster_wait()
+        if cutlass.const_expr(v.reduction is not None):
+            sums = cluster_sums(late, warp_buf, cluster_buf, CLUSTER, cta, landed,
+                                first=len(early))
+        else:
+            sums = cluster_sums(early + late, warp_buf, cluster_buf, CLUSTER, cta, landed)
+        per = 1 + len(keys)  # Σv², then Σv·g·w per key, of each source
+        source_sums = [sums[per * s: per * s + per] for s in range(v.sources - 1)]
+        source_sums.append(sums[len(early): len(early) + per])  # p
+        logits = logits_of(source_sums, keys)
+        squares = [source[0] for source in source_sums]
         counted = 1 if v.reduction is not None else 0  # `extra`: the failure, then the pairs
-        failures, pairs = sums[:counted], sums[counted:]
+        rest = sums[len(early) + per:]
+        failures, pairs = rest[:counted], rest[counted:]
+        if cutlass.const_expr(gram and v.reduction is not None):
+            pairs = in_pair_order(sums[len(partials): len(early)], pairs)
         z = logits[0]
         scale = Float32(1.0)
         if cutlass.const_expr(v.reduction is not None):  # NaN over the whole row on a failure
@@ -472,7 +503,10 @@ class StatisticsKernel:
         keys = [(load_f32(res_norm_w, col) * load_f32(res_proj_w, col), self.eps)]
         partials = [source_partials(load_f32(blocks, (row, i, col)), keys)
                     for i in range(self.num_blocks)]
-        z = cluster_logits(partials, keys, [], warp_buf, cluster_buf, rank, landed)[0][0]
+        cute.arch.cluster_wait()  # peers' shared memory exists
+        sums = cluster_sums([value for source in partials for value in source], warp_buf,
+                            cluster_buf, CLUSTER, rank, landed)
+        z = logits_of([sums[2 * i: 2 * i + 2] for i in range(self.num_blocks)], keys)[0]
         store_statistics(z, blocks, row, col, mixture, scal, row)
 
 

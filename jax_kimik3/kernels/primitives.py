@@ -154,12 +154,27 @@ def warp_scatter_sums(values: list, lane) -> list:
 
 
 @cute.jit
+def warp_sums(values: list, warp_buf: cute.Tensor, first: cutlass.Constexpr = 0):
+    """Steps 1-2 of `cluster_sums`: the warp's sum of each per-thread fp32 in `values`, spread
+    over the lanes (`warp_scatter_sums`); the lanes that hold them write them to row `warp` of
+    `warp_buf`, at `first` + their index. A kernel takes them early (before a tail's poll) for
+    what the poll does not change, and `cluster_sums(first=)` the rest."""
+    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+    for total, k, stores in warp_scatter_sums(values, lane):
+        if stores & (k < len(values)):
+            warp_buf[warp, first + k] = total
+
+
+@cute.jit
 def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
-                 cluster_size: cutlass.Constexpr, rank, landed=None):
-    """Sum each per-thread fp32 in `values` over every thread of every CTA of the cluster.
+                 cluster_size: cutlass.Constexpr, rank, landed=None,
+                 first: cutlass.Constexpr = 0):
+    """Sum each per-thread fp32 in `values` over every thread of every CTA of the cluster;
+    with `first`, entries 0..first-1 of this warp's row of `warp_buf` already hold its sums of
+    earlier values (`warp_sums`), and the result has all first + len(values) sums.
 
     1. a warp sum spread over the lanes (`warp_scatter_sums`); 2. the lanes that hold the
-    warp totals write them to `warp_buf` [warps, n];
+    warp totals write them to `warp_buf` [warps, n] (`warp_sums`);
     3. for each (CTA t, value k), one of the threads adds the warp totals of k (fixed order)
     and stores the CTA total into slot `rank` of CTA t's `cluster_buf` [cluster_size, n]
     through distributed shared memory (cluster_size·n stores spread over the threads, not
@@ -171,17 +186,14 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
     set up by `arm_exchange`; one exchange per mbarrier) steps 3-4 are `st.async` stores
     that complete on the peer's mbarrier, and a wait on this CTA's own (`wait_exchange`).
     """
-    n = len(values)
+    n = first + len(values)
     if cutlass.const_expr(n != cute.size(cluster_buf, mode=[1])):
         # CTA t's total of value k goes to slot rank·n + k of each peer's row-major buffer.
         raise ValueError(f"cluster_sums: {n} values, but cluster_buf holds "
                          f"{cute.size(cluster_buf, mode=[1])} per CTA")
     warps = cute.size(warp_buf, mode=[0])
-    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
     tidx, _, _ = cute.arch.thread_idx()
-    for total, k, stores in warp_scatter_sums(values, lane):
-        if stores & (k < n):
-            warp_buf[warp, k] = total
+    warp_sums(values, warp_buf, first)
     if cutlass.const_expr(landed is not None):
         if tidx == 0:  # the peers' stores may land first: the count goes below zero meanwhile
             cute.arch.mbarrier_arrive_and_expect_tx(landed, 4 * cluster_size * n)
