@@ -21,8 +21,10 @@ BATCHES = [1, 2, 5, 8, 9, 16, 33, 64]
 FUSED_BATCHES = [1, 2, 5, 8, 9, 16]  # the fused kernel supports every B <= 64; it is for small B
 TPS = [1, 2, 4, 8, 16]
 # Post-attention call sites that differ: a KDA write layer (0: starts a block, K = 1), an MLA
-# delta layer (3: K = 1), a KDA delta layer (46: K = 4), the last layer, MLA (92: K = 8).
-LAYERS = [0, 3, 46, 92]
+# delta layer (3: K = 1), a KDA delta layer over two blocks (13: K = 2, where a tail over few
+# rows sums the blocks' pairs before its poll and their pairs with p after it), a KDA delta
+# layer (46: K = 4), the last layer, MLA (92: K = 8).
+LAYERS = [0, 3, 13, 46, 92]
 
 
 @functools.cache

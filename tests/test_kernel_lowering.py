@@ -230,3 +230,17 @@ def test_signature_refuses_unknown_names_and_misplaced_buffers():
         sig.call(variant, {"a": 1, "c": 2}, {})
     with pytest.raises(ValueError, match=r"into=\['extra'\] must be the first outputs"):
         sig.call(variant, {"a": 1}, {}, into={"extra": jnp.zeros(1)})
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_pairs_taken_in_two_runs_come_back_in_mix_order(k):
+    """A tail sums the saved blocks' pair sums before its poll and each block's pair with p
+    after it; `in_pair_order` puts them back in `pair_partials` order over [b_0..b_{K-1}, p],
+    the order `mix_squares` reads (labels stand in for the sums)."""
+    from jax_kimik3.kernels.attn_res import in_pair_order
+
+    sources = k + 1  # the blocks, then p
+    want = [(i, j) for i in range(sources) for j in range(i + 1, sources)]
+    among = [(i, j) for i in range(k) for j in range(i + 1, k)]
+    with_p = [(i, k) for i in range(k)]
+    assert in_pair_order(among, with_p) == want

@@ -262,10 +262,17 @@ def test_tail_sums_the_saved_blocks_before_the_poll(tmp_path, variant, b):
     """A tail's AttnRes row takes the warp sums of what the poll does not change (the saved
     blocks' partial sums; holding, over three blocks, their pair sums too) before its first
     poll loop, and only p's and the failure's (and the output norm's) after it."""
-    body = attn_res_body(tail_ptx(tmp_path, variant, b=b))
-    poll = body.find("nanosleep.u32")  # the first poll loop's pause
-    before, after = body[:poll].count("shfl.sync.bfly"), body[poll:].count("shfl.sync.bfly")
-    assert poll > 0 and before > 0 and after > 0, (before, after)
+    def shuffles(variant, b, path):
+        body = attn_res_body(tail_ptx(path, variant, b=b))
+        poll = body.find("nanosleep.u32")  # the first poll loop's pause
+        assert poll > 0
+        return body[:poll].count("shfl.sync.bfly"), body[poll:].count("shfl.sync.bfly")
+
+    before, after = shuffles(variant, b, tmp_path)
+    assert before > 0 and after > 0, (before, after)
+    if variant == "split" and b <= HOLDING_MAX_BATCH:  # the blocks' pair sums come early too
+        (tmp_path / "not_holding").mkdir()
+        assert before > shuffles("split", HOLDING_MAX_BATCH + 1, tmp_path / "not_holding")[0]
 
 
 @pytest.mark.parametrize("variant, b, holding", [

@@ -14,7 +14,8 @@ thread owning one 8-wide bf16 vector. Per row:
    last, once the producers have completed, advances the ranks' call counters;
 2. per source (the K saved blocks, then p) the partial Σv² and Σv·g·w of each thread, summed
    over the cluster through distributed shared memory (`primitives.cluster_sums`); in a tail
-   the saved blocks' are summed over each warp before the poll, and only p's after it;
+   the saved blocks' are summed over each warp before the poll, and p's, the failure and
+   the blocks' pairs with p after it;
 3. logits z = Σv·g·w · rsqrt(Σv²/H + eps), softmax, and the mix of the thread's 8 columns;
    with precomputed statistics only p is reduced, and mix = (c·acc + w_p·p) / (c·s + w_p);
 4. the output RMSNorm: Σmix² over the cluster, then out = bf16(mix · rsqrt(Σmix²/H + eps) · g_out),
@@ -322,9 +323,10 @@ class AttnResKernel:
         # In a tail the exchange's values come in two runs: first what p does not change (the
         # saved blocks' partial sums, and with one exchange their pair sums), warp-summed into
         # `warp_buf` now, while the first polls are in flight; after the poll p's and the rest
-        # (`cluster_sums(first=)`). Left in the order of their use, ptxas put all of it after
-        # the poll, on the tail's critical path (a TP8 rank's split and two-shot tails are
-        # 0.05-0.2 µs faster this way at B <= 16: benchmarks/RESULTS.md, session 23).
+        # (`cluster_sums(first=)`). With every warp sum after the poll, ptxas also sank the
+        # partial sums' arithmetic there, onto the tail's critical path (a TP8 rank's split
+        # tail is 0.1-0.2 µs faster this way at B = 1 and 16, level at 8, and the two-shot
+        # tail 0.2 at B <= 16: benchmarks/RESULTS.md, session 23).
         gram = self.one_exchange and not v.precomputed  # with the pair sums of the sources
         early = partials
         if cutlass.const_expr(gram and v.reduction is not None):

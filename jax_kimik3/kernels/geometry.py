@@ -17,7 +17,7 @@ PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 # 1536, one tile: 3 of a lane's 12 with none, at 40 registers; 8 with 4, at 64; 5 with 5, at
 # 48). The plain product takes 4. The one-shot publish takes 5: an SM that holds three
 # producer CTAs then still has room for one CTA of the tail's next kernel (AttnRes, a
-# dependent launch, 128 threads of 135-157 registers), which at 4 starts only as producer CTAs
+# dependent launch, 128 threads of 122-162 registers), which at 4 starts only as producer CTAs
 # retire. Measured on the H200 (benchmarks/RESULTS.md, session 22), µs at B = 1 / 8 / 16,
 # without → with:
 # - K = 1536: plain kernel 7.70 / 8.47 / 8.69 → 7.40 / 7.60 / 8.69; one TP8 rank's split tail
