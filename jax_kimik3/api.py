@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_kimik3 import reference
+from jax_kimik3 import reference, tuning
 from jax_kimik3.backend import Backend, use_kernels
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.statistics import AttnResStatistics
@@ -95,7 +95,8 @@ def _attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps, bac
 
 def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, axis_name,
                    num_blocks, has_delta, eps=EPS, out_eps=EPS, mailbox=None, peer_table=None,
-                   ahead=None, two_shot=None, backend: Backend = "auto"):
+                   ahead=None, two_shot=None, variant: tuning.TailVariant | None = None,
+                   backend: Backend = "auto"):
     """Row-parallel o_proj, its all-reduce over `axis_name`, then the post-attention AttnRes.
 
     Call inside `shard_map`: x [B, K_local] and w [H, K_local] are this rank's shards.
@@ -111,27 +112,32 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
     final call): their AttnResStatistics come back as a fourth result; the kernel path stores
     them from the blocks it reads anyway, so the later call reads no block. `two_shot`
     (kernels): True or False forces the two-shot or one-shot all-reduce; None takes the
-    measured table (jax_kimik3/tuning.py).
+    measured table (jax_kimik3/tuning.py). `variant` (kernels): "split", "xla" or "fused"
+    (one-shot, without `ahead`) forces that launch; None takes the table, which was measured
+    on an H200 (other GPUs may rank the variants differently: benchmarks/bench_rank.py
+    measures them).
     """
     check = Checker("oproj_attn_res")
     if check.hashable(axis_name=axis_name, num_blocks=num_blocks, has_delta=has_delta, eps=eps,
-                      out_eps=out_eps, mailbox=mailbox, two_shot=two_shot, backend=backend):
+                      out_eps=out_eps, mailbox=mailbox, two_shot=two_shot, variant=variant,
+                      backend=backend):
         size = check_axis(check, axis_name)
         _check_tail(check, x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                     num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
                     ahead=ahead, mailbox=mailbox, peer_table=peer_table, two_shot=two_shot,
-                    backend=backend, axis_name=axis_name, ranks=size)
+                    variant=variant, backend=backend, axis_name=axis_name, ranks=size)
     check.done()
     out, new_prefix, new_blocks, *stats = _tail(
         x[None], w[None], prefix, blocks, res_norm_w, res_proj_w, out_norm_w, mailbox,
         peer_table, ahead, axis_name=axis_name, num_blocks=num_blocks, has_delta=has_delta,
-        eps=eps, out_eps=out_eps, two_shot=two_shot, backend=backend)
+        eps=eps, out_eps=out_eps, two_shot=two_shot, variant=variant, backend=backend)
     return (out[0], new_prefix[0], new_blocks, *jax.tree.map(lambda a: a[0], stats))
 
 
 def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
                            num_blocks, has_delta, eps=EPS, out_eps=EPS, mailbox=None,
                            peer_table=None, ahead=None, two_shot=None,
+                           variant: tuning.TailVariant | None = None,
                            backend: Backend = "auto"):
     """Every TP rank's `oproj_attn_res` on one device ("virtual TP", no shard_map): x
     [TP, B, K/TP] and w [TP, H, K/TP] are the ranks' shards.
@@ -145,7 +151,7 @@ def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_nor
     """
     check = Checker("oproj_attn_res_virtual")
     if check.hashable(num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
-                      mailbox=mailbox, two_shot=two_shot, backend=backend):
+                      mailbox=mailbox, two_shot=two_shot, variant=variant, backend=backend):
         if not all(hasattr(a, "ndim") for a in (x, w)) or x.ndim != 3 or w.ndim != 3 or (
                 x.shape[0] != w.shape[0]):
             check.fail(f"x has shape={getattr(x, 'shape', x)} and w shape="
@@ -154,11 +160,11 @@ def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_nor
             _check_tail(check, x[0], w[0], prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                         num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
                         ahead=ahead, mailbox=mailbox, peer_table=peer_table, two_shot=two_shot,
-                        backend=backend, ranks=x.shape[0], virtual=True)
+                        variant=variant, backend=backend, ranks=x.shape[0], virtual=True)
     check.done()
     return _tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, mailbox, peer_table,
                  ahead, axis_name=None, num_blocks=num_blocks, has_delta=has_delta, eps=eps,
-                 out_eps=out_eps, two_shot=two_shot, backend=backend)
+                 out_eps=out_eps, two_shot=two_shot, variant=variant, backend=backend)
 
 
 def _ranks(axis_name, count):
@@ -179,9 +185,11 @@ def _tail(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, mailbox, pee
 
 
 @functools.partial(jax.jit, static_argnames=("axis_name", "num_blocks", "has_delta", "eps",
-                                             "out_eps", "spec", "two_shot", "backend"))
+                                             "out_eps", "spec", "two_shot", "variant",
+                                             "backend"))
 def _tail_ranks(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table, ahead, *,
-                axis_name, num_blocks, has_delta, eps, out_eps, spec, two_shot, backend):
+                axis_name, num_blocks, has_delta, eps, out_eps, spec, two_shot, variant,
+                backend):
     """Each rank's (out [R, B, H], new_prefix [R, B, H]), the new blocks, and with `ahead`
     each rank's AttnResStatistics."""
     r = x.shape[0]
@@ -191,7 +199,7 @@ def _tail_ranks(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table,
         out, new_prefix, *stats = oproj.tail(
             x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table=table,
             ranks=_ranks(axis_name, r), spec=spec, num_blocks=num_blocks, has_delta=has_delta,
-            eps=eps, out_eps=out_eps, ahead=ahead, two_shot=two_shot)
+            eps=eps, out_eps=out_eps, ahead=ahead, two_shot=two_shot, variant=variant)
         return (out, new_prefix, blocks,
                 *(AttnResStatistics(m, s, num_blocks) for m, s in stats))
     out, new_prefix, new_blocks, *stats = _with_ahead(reference.oproj_attn_res_ranks(
@@ -203,12 +211,17 @@ def _tail_ranks(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table,
 
 
 def _check_tail(check, x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks,
-                has_delta, eps, out_eps, ahead, mailbox, peer_table, two_shot, backend, ranks,
-                axis_name=None, virtual=False):
+                has_delta, eps, out_eps, ahead, mailbox, peer_table, two_shot, variant, backend,
+                ranks, axis_name=None, virtual=False):
     """The arguments of the ranks' post-attention tail, into `check`; `ranks`: TP (the axis
     size, or the virtual shards' count), None if unknown."""
     check.flag("has_delta", has_delta)
     check.flag("two_shot", two_shot, optional=True)
+    if variant is not None and variant not in tuning.TAIL_VARIANT_NAMES:
+        check.fail(f"variant={variant!r} must be None or one of {tuning.TAIL_VARIANT_NAMES}")
+    elif variant == "fused" and (two_shot or ahead is not None):
+        check.fail(f"variant='fused' is one-shot without statistics ahead; got "
+                   f"two_shot={two_shot!r}, ahead={'None' if ahead is None else '(...)'}")
     rows = check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                           num_blocks=num_blocks, eps=eps, out_eps=out_eps)
     if rows is not None and check.array("x", x, (rows[0], None), jnp.bfloat16):

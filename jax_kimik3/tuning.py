@@ -16,16 +16,21 @@ TailVariant = Literal["fused", "split", "xla"]
 TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 
 # K per rank → ((largest B, variant), ...) by increasing B; B past the last entry: "xla".
-# 1536 (TP 8) and 6144 (TP 2): by what one rank of a mesh runs, "Session 7" (bench_rank:
-#   rank 0's own tail call, the peers' rows delivered by ghost peers), 2026-12-01; TP 8
-#   measured again in "Session 9" with the same choices (fused 0.5 µs ahead of xla at B = 32,
-#   within the spread); split again in "Session 10" at B = 1, 8, 16; every variant in
-#   "Session 11", the same choices (at B = 32 four variants within 0.2 µs); split, two-shot
-#   and xla_two_shot at B = 1, 8, 16, 64 in "Session 12", and split and xla_two_shot at
-#   B = 1, 8, 64 in "Session 14" (mbarrier exchanges), the same choices. At TP 2, B = 17..32,
-#   fused was 2 µs faster than xla there, but the GPU tests hold fused to B <= 16. TP 8 from
-#   B = 17 on: the producer kernel at every B since "Session 19" (two row groups per producer
-#   CTA from B = 25: 3.1-4.6 µs ahead of the best tail on XLA's dot at B = 24, 32, 48, 64).
+# 1536 (TP 8): by what one rank of a mesh runs, "Session 7" (bench_rank: rank 0's own tail
+#   call, the peers' rows delivered by ghost peers), 2026-12-01; measured again in "Session 9"
+#   with the same choices (fused 0.5 µs ahead of xla at B = 32, within the spread); split again
+#   in "Session 10" at B = 1, 8, 16; every variant in "Session 11", the same choices (at B = 32
+#   four variants within 0.2 µs); split, two-shot and xla_two_shot at B = 1, 8, 16, 64 in
+#   "Session 12", and split and xla_two_shot at B = 1, 8, 64 in "Session 14" (mbarrier
+#   exchanges), the same choices. From B = 17 on: the producer kernel at every B since
+#   "Session 19" (two row groups per producer CTA from B = 25: 3.1-4.6 µs ahead of the best
+#   tail on XLA's dot at B = 24, 32, 48, 64).
+# 6144 (TP 2): per rank in "Session 26", 2026-12-05: split 2.9-3.0 µs ahead of fused at B = 9
+#   and 16 (fused had been chosen there in "Session 7"; an H100 agreed in "Session 25"); at
+#   B = 17-24 the producer runs three B tiles in two waves (72 registers) and XLA's dot wins
+#   (fused was 2.1 µs ahead of xla at B = 24 and 1.1 behind at B = 17; the GPU tests hold
+#   fused to B <= 16); split 1.5 µs ahead of fused and 1.7 of xla at B = 32. Fused is in no
+#   entry: `oproj_attn_res(variant="fused")` asks for it.
 # 3072 and 768 (TP 4, 16): whole virtual-TP groups, "Tail variants" and "Session 4", 2026-11-29
 #   (the producer kernel to B = 16); per rank at B = 1, 2, 4 in "Session 22", where split is
 #   2.5-4.8 µs ahead of fused (the groups had chosen fused there); at 3072 the producer kernel
@@ -33,7 +38,7 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 #   at B = 24 and 48, 3 µs behind at 64); XLA's dot at K = 12288 (TP 1): "o_proj producer
 #   kernel vs XLA's dot".
 TAIL_VARIANTS: dict[int, tuple[tuple[int, TailVariant], ...]] = {
-    6144: ((8, "split"), (16, "fused")),
+    6144: ((16, "split"), (24, "xla"), (32, "split")),
     3072: ((16, "split"), (24, "xla"), (32, "split")),
     1536: ((64, "split"),),
     768: ((16, "split"),),

@@ -6,9 +6,13 @@ import re
 import shutil
 import subprocess
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, PartitionSpec as P
 
+import jax_kimik3 as k3
 from jax_kimik3 import tuning
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.layout import MailboxLayout, MailboxSpec
@@ -77,11 +81,13 @@ def test_fused_grid_is_every_co_resident_cluster_it_needs():
     assert fused.OprojAttnResFused(4, 1536, many, residency.FALLBACK_CLUSTERS).clusters == 69
 
 
-@pytest.mark.parametrize("b,tp", [(1, 8), (8, 16), (16, 8), (64, 8), (8, 1), (1, 2), (12, 2)])
+@pytest.mark.parametrize("b,tp", [(1, 8), (8, 16), (16, 8), (64, 8), (8, 1), (1, 2), (12, 2),
+                                  (20, 2)])
 def test_tail_takes_the_table_variant(b, tp):
-    """tuning.tail_variant decides: fused (one persistent kernel), split (the tail call with
-    the producer kernel, compiled for B and K), xla (XLA's dot, then the tail call for any B);
-    one custom call in every case, the two-shot owner inside it where the table says so."""
+    """tuning.tail_variant decides: split (the tail call with the producer kernel, compiled
+    for B tiles and K), xla (XLA's dot, then the tail call for any B), fused where it is named
+    (one persistent kernel); one custom call in every case, the two-shot owner inside it where
+    the table says so."""
     variant = tuning.tail_variant(b, K_TOTAL // tp)
     calls, text = tail(1, tp, b)
     assert len(re.findall(rf"custom_call @{CUSTOM_CALL}", text)) == 1
@@ -111,6 +117,28 @@ def test_table_is_one_table_of_known_variants():
     for tp, first in tuning.TWO_SHOT_BATCHES.items():
         assert tuning.use_two_shot(first, tp) and not tuning.use_two_shot(first - 1, tp)
     assert not tuning.use_two_shot(64, 2)
+
+
+@pytest.mark.parametrize("variant", ["fused", "split", "xla"])
+def test_public_variant_overrides_the_table(variant):
+    """oproj_attn_res(variant=...) under shard_map launches that variant at a (TP, B) whose
+    table entry is another (TP 2, B = 12: split; B = 20: xla)."""
+    b = 20 if variant == "split" else 12
+    assert tuning.tail_variant(b, K_TOTAL // 2) != variant
+
+    def rank(*args):
+        return k3.oproj_attn_res(*args[:-1], peer_table=args[-1], axis_name="tp", num_blocks=3,
+                                 has_delta=True, mailbox=MailboxSpec(MailboxLayout(2)),
+                                 variant=variant, backend="kernel")
+
+    f = jax.shard_map(rank, mesh=Mesh(np.array(jax.devices()[:2]), ("tp",)),
+                      in_specs=(P(None, "tp"), P(None, "tp")) + (P(),) * 6, out_specs=P())
+    calls, text = kernel_calls(f, spec(b, K_TOTAL), spec(H, K_TOTAL), spec(b, H),
+                               spec(b, NB, H), spec(H), spec(H), spec(H),
+                               spec(3, 2, dtype=jnp.uint32))
+    (call,) = calls
+    assert call.variant.family == ("fused" if variant == "fused" else "tail")
+    assert ("dot_general" in text) == (variant == "xla")
 
 
 def test_unknown_variant_is_refused():
