@@ -113,8 +113,8 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
     them from the blocks it reads anyway, so the later call reads no block. `two_shot`
     (kernels): True or False forces the two-shot or one-shot all-reduce; None takes the
     measured table (jax_kimik3/tuning.py). `variant` (kernels): "split", "xla" or "fused"
-    (one-shot, without `ahead`) forces that launch; None takes the table, which was measured
-    on an H200 (other GPUs may rank the variants differently: benchmarks/bench_rank.py
+    (one-shot, without `ahead`) forces that launch; None takes the table, measured on H200
+    and H100 parts (another GPU may rank the variants differently: benchmarks/bench_rank.py
     measures them).
     """
     check = Checker("oproj_attn_res")

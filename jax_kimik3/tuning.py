@@ -34,14 +34,18 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 # 3072 and 768 (TP 4, 16): whole virtual-TP groups, "Tail variants" and "Session 4", 2026-11-29
 #   (the producer kernel to B = 16); per rank at B = 1, 2, 4 in "Session 22", where split is
 #   2.5-4.8 µs ahead of fused (the groups had chosen fused there); at 3072 the producer kernel
-#   again at B = 25-32, per rank in "Session 19" (2.7 µs ahead of XLA's dot at B = 32; level
-#   at B = 24 and 48, 3 µs behind at 64); XLA's dot at K = 12288 (TP 1): "o_proj producer
-#   kernel vs XLA's dot".
+#   at B = 25-32 per rank in "Session 19" (2.7 µs ahead of XLA's dot at B = 32; level at B = 24
+#   and 48, 3 µs behind at 64). Past B = 16 per rank on an H100 in "Session 27", 2026-12-05,
+#   not yet on an H200: at 3072 split 1.7-2.3 µs ahead of XLA's dot at B = 17 and 24 (XLA's
+#   dot 1.5-5.1 µs ahead from B = 48); at 768 the producer kernel two-shot ahead at every B
+#   from 17 to 64: by 1.7-6.1 µs of XLA's dot two-shot, by 5.2-11.9 of the one-shot XLA's dot
+#   the table had at B = 17-48 (see TWO_SHOT_BATCHES). XLA's dot at K = 12288 (TP 1): "o_proj
+#   producer kernel vs XLA's dot".
 TAIL_VARIANTS: dict[int, tuple[tuple[int, TailVariant], ...]] = {
     6144: ((16, "split"), (24, "xla"), (32, "split")),
-    3072: ((16, "split"), (24, "xla"), (32, "split")),
+    3072: ((32, "split"),),
     1536: ((64, "split"),),
-    768: ((16, "split"),),
+    768: ((64, "split"),),
 }
 
 
@@ -56,8 +60,10 @@ def tail_variant(batch: int, k: int) -> TailVariant:
 # TP → smallest B where the two-shot tail wins: "Tail variants" (virtual TP 8 and 16, B = 64),
 # 2026-11-29; one TP 8 rank ("Session 19"): ahead of one-shot by 1.4-5.5 µs at B = 32-64, level
 # at B = 24, where the cost model's NVLink time (1.3 against 5.4 µs) decides, unmeasured on a
-# mesh; it loses at TP 2 ("Mailbox all-reduce on a real TP2 mesh").
-TWO_SHOT_BATCHES = {8: 24, 16: 64}
+# mesh; it loses at TP 2 ("Mailbox all-reduce on a real TP2 mesh"). One TP 16 rank on an H100
+# ("Session 27"): ahead of one-shot by 1.6-13.4 µs at B = 16-64, 0.3-1.5 µs behind at B = 1-8
+# (where the NVLink time, 0.5-3.8 µs one-shot against 0.1-0.5, would narrow or turn it).
+TWO_SHOT_BATCHES = {8: 24, 16: 16}
 
 
 def use_two_shot(batch: int, tp: int) -> bool:

@@ -82,7 +82,7 @@ def test_fused_grid_is_every_co_resident_cluster_it_needs():
 
 
 @pytest.mark.parametrize("b,tp", [(1, 8), (8, 16), (16, 8), (64, 8), (8, 1), (1, 2), (12, 2),
-                                  (20, 2)])
+                                  (20, 2), (20, 4), (32, 16)])
 def test_tail_takes_the_table_variant(b, tp):
     """tuning.tail_variant decides: split (the tail call with the producer kernel, compiled
     for B tiles and K), xla (XLA's dot, then the tail call for any B), fused where it is named
