@@ -113,9 +113,9 @@ def oproj_attn_res(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, 
     them from the blocks it reads anyway, so the later call reads no block. `two_shot`
     (kernels): True or False forces the two-shot or one-shot all-reduce; None takes the
     measured table (jax_kimik3/tuning.py). `variant` (kernels): "split", "xla" or "fused"
-    (one-shot, without `ahead`) forces that launch; None takes the table, measured on H200
-    and H100 parts (another GPU may rank the variants differently: benchmarks/bench_rank.py
-    measures them).
+    (one-shot whatever the table's all-reduce; refused with `ahead`) forces that launch; None
+    takes the table, measured on H200 and H100 parts (another GPU may rank the variants
+    differently: benchmarks/bench_rank.py measures them).
     """
     check = Checker("oproj_attn_res")
     if check.hashable(axis_name=axis_name, num_blocks=num_blocks, has_delta=has_delta, eps=eps,

@@ -25,12 +25,12 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 #   exchanges), the same choices. From B = 17 on: the producer kernel at every B since
 #   "Session 19" (two row groups per producer CTA from B = 25: 3.1-4.6 µs ahead of the best
 #   tail on XLA's dot at B = 24, 32, 48, 64).
-# 6144 (TP 2): per rank in "Session 26", 2026-12-05: split 2.9-3.0 µs ahead of fused at B = 9
-#   and 16 (fused had been chosen there in "Session 7"; an H100 agreed in "Session 25"); at
-#   B = 17-24 the producer runs three B tiles in two waves (72 registers) and XLA's dot wins
-#   (fused was 2.1 µs ahead of xla at B = 24 and 1.1 behind at B = 17; the GPU tests hold
-#   fused to B <= 16); split 1.5 µs ahead of fused and 1.7 of xla at B = 32. Fused is in no
-#   entry: `oproj_attn_res(variant="fused")` asks for it.
+# 6144 (TP 2): per rank in "Session 26", 2026-12-05: split 3.0-3.2 µs ahead of fused at B = 9
+#   and 16 (fused had been chosen there in "Session 7"; an H100 agreed in "Sessions 24-25");
+#   at B = 17-24 the producer runs three B tiles in two waves (72 registers) and XLA's dot
+#   wins at B = 17 (fused was 2.1 µs ahead of it at B = 24 but 1.1 behind at B = 17); split
+#   1.2-1.5 µs ahead of fused and 1.5-1.7 of xla at B = 32. Fused is in no entry:
+#   `oproj_attn_res(variant="fused")` asks for it.
 # 3072 and 768 (TP 4, 16): whole virtual-TP groups, "Tail variants" and "Session 4", 2026-11-29
 #   (the producer kernel to B = 16); per rank at B = 1, 2, 4 in "Session 22", where split is
 #   2.5-4.8 µs ahead of fused (the groups had chosen fused there); at 3072 the producer kernel

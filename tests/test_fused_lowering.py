@@ -119,25 +119,28 @@ def test_table_is_one_table_of_known_variants():
     assert not tuning.use_two_shot(64, 2)
 
 
-@pytest.mark.parametrize("variant", ["fused", "split", "xla"])
-def test_public_variant_overrides_the_table(variant):
+@pytest.mark.parametrize("variant, tp, b", [("fused", 2, 12), ("split", 2, 20), ("xla", 2, 12),
+                                            ("fused", 8, 32)])
+def test_public_variant_overrides_the_table(variant, tp, b):
     """oproj_attn_res(variant=...) under shard_map launches that variant at a (TP, B) whose
-    table entry is another (TP 2, B = 12: split; B = 20: xla)."""
-    b = 20 if variant == "split" else 12
-    assert tuning.tail_variant(b, K_TOTAL // 2) != variant
+    table entry is another (TP 2, B = 12: split; B = 20: xla; TP 8, B = 32: split, two-shot);
+    the fused tail one-shot wherever the table says two-shot."""
+    assert tuning.tail_variant(b, K_TOTAL // tp) != variant
 
     def rank(*args):
         return k3.oproj_attn_res(*args[:-1], peer_table=args[-1], axis_name="tp", num_blocks=3,
-                                 has_delta=True, mailbox=MailboxSpec(MailboxLayout(2)),
+                                 has_delta=True, mailbox=MailboxSpec(MailboxLayout(tp)),
                                  variant=variant, backend="kernel")
 
-    f = jax.shard_map(rank, mesh=Mesh(np.array(jax.devices()[:2]), ("tp",)),
+    f = jax.shard_map(rank, mesh=Mesh(np.array(jax.devices()[:tp]), ("tp",)),
                       in_specs=(P(None, "tp"), P(None, "tp")) + (P(),) * 6, out_specs=P())
     calls, text = kernel_calls(f, spec(b, K_TOTAL), spec(H, K_TOTAL), spec(b, H),
                                spec(b, NB, H), spec(H), spec(H), spec(H),
-                               spec(3, 2, dtype=jnp.uint32))
+                               spec(tp + 1, 2, dtype=jnp.uint32))
     (call,) = calls
     assert call.variant.family == ("fused" if variant == "fused" else "tail")
+    assert call.variant.params[2].reduction.two_shot == (
+        variant != "fused" and tuning.use_two_shot(b, tp))
     assert ("dot_general" in text) == (variant == "xla")
 
 

@@ -153,7 +153,7 @@ def _tail_args(b, k):
 @pytest.mark.parametrize("b", [4, 8, 64])
 def test_oproj_attn_res_kernels_lower_under_shard_map(has_delta, b):
     """With a mailbox the tail is kernels, in ONE custom call whatever the table's variant
-    (fused, split, or XLA's dot + the call), and no XLA collective: the mailbox carries the sum."""
+    (split, or XLA's dot + the call), and no XLA collective: the mailbox carries the sum."""
     from jax_kimik3 import tuning
     tp = 4
     f = jax.shard_map(
