@@ -42,9 +42,11 @@ from jax_kimik3.backend import KERNELS_ENV, kernel_mode
 from jax_kimik3.decode import init_params, make_step, rows_spec, table_shape
 from jax_kimik3.mesh_mailbox import table_spec
 from jax_kimik3.reference import relative_error
+from jax_kimik3.tuning import TAIL_VARIANT_NAMES
 
 CFG = k3.KIMI_K3
 H, NB = CFG.hidden_size, CFG.num_attn_res_blocks
+ALL_REDUCE = {"table": None, "one-shot": False, "two-shot": True}  # --all-reduce: two_shot=
 
 
 def process_seconds() -> float:
@@ -84,13 +86,19 @@ def parse_args(argv=None):
     parser.add_argument("--stats-ahead", action="store_true",
                         help="each post-attention tail also computes the next call site's "
                              "block statistics (statistics ahead); that call then reads no block")
+    parser.add_argument("--variant", choices=TAIL_VARIANT_NAMES, default=None,
+                        help="kernel runs: every post-attention tail launches this variant "
+                             "(default: the measured table, jax_kimik3/tuning.py)")
+    parser.add_argument("--all-reduce", choices=tuple(ALL_REDUCE), default="table",
+                        help="kernel runs: the tails' all-reduce (default: the measured table)")
     parser.add_argument("--export", metavar="FILE", help="write the kernel step for CUDA, stop")
     parser.add_argument("--load", metavar="FILE", help="run the step exported to FILE")
     return parser.parse_args(argv)
 
 
-def export_step(path, mesh, params, embedding, blocks, num_layers, virtual_tp=None):
-    """Write the kernel step for CUDA to `path`, the peer table an operand."""
+def export_step(path, mesh, params, embedding, blocks, num_layers, virtual_tp=None, **tail):
+    """Write the kernel step for CUDA to `path`, the peer table an operand; `tail`: the
+    tails' two_shot and variant."""
     from jax_kimik3 import export
 
     if virtual_tp:
@@ -103,7 +111,7 @@ def export_step(path, mesh, params, embedding, blocks, num_layers, virtual_tp=No
         shape = table_shape(mesh, tp)
         table = jax.ShapeDtypeStruct(shape.shape, shape.dtype,
                                      sharding=NamedSharding(mesh, table_spec(mesh)))
-    step = make_step(mesh, params, num_layers, "kernel", spec, virtual_tp=virtual_tp)
+    step = make_step(mesh, params, num_layers, "kernel", spec, virtual_tp=virtual_tp, **tail)
     exported = export.export(step, params, embedding, blocks, table)
     data = exported.serialize()
     with open(path, "wb") as f:
@@ -196,9 +204,10 @@ def main(argv=None):
                   for s in range(args.steps + 1)]
     blocks = jax.jit(lambda: jnp.zeros((batch, NB, H), jnp.bfloat16), out_shardings=rows)()
 
+    tail = dict(two_shot=ALL_REDUCE[args.all_reduce], variant=args.variant)
     if args.export:
         return export_step(args.export, mesh, params, embeddings[0], blocks, args.layers,
-                           args.virtual_tp)
+                           args.virtual_tp, **tail)
     on_gpu = jax.devices()[0].platform == "gpu"
     kernels = args.load or args.backend == "kernel" or (args.backend == "auto" and on_gpu)
     if kernels and not on_gpu:
@@ -220,7 +229,7 @@ def main(argv=None):
     else:
         step = make_step(mesh, params, args.layers, args.backend,
                          None if mailbox is None else mailbox.spec, args.stats_ahead,
-                         args.virtual_tp)
+                         args.virtual_tp, **tail)
     out, _ = step(params, embeddings[0], blocks, table)  # compile and warm up
     out.block_until_ready()
     source = ("exported step" if args.load else f"kernels, {KERNELS_ENV}={kernel_mode()}"

@@ -92,15 +92,17 @@ def table_shape(mesh, tp):
 
 
 def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbox,
-                stats_ahead=False, virtual_tp=None):
+                stats_ahead=False, virtual_tp=None, two_shot=None, variant=None):
     """One decode step through `num_layers` layers and the final AttnRes (inside shard_map
     over AXIS and, where the mesh has it, DATA_AXIS); `mailbox` is a MailboxSpec (kernels) or
     None, `table` its peer table operand (this device's block).
     With `stats_ahead`, layer i's post-attention tail also returns the statistics of the
     saved blocks for the next call site (layer i + 1's pre-attention, or the final AttnRes).
     With `virtual_tp` (a mesh of one device) the tail runs that many ranks on the device.
+    `two_shot` and `variant` override the measured table in every post-attention tail.
     Returns (out [B, H], blocks [B, NB, H])."""
-    tails = [AttentionTail(KIMI_K3.layer(i), axis_name=AXIS, mailbox=mailbox, backend=backend)
+    tails = [AttentionTail(KIMI_K3.layer(i), axis_name=AXIS, mailbox=mailbox, backend=backend,
+                           two_shot=two_shot, variant=variant)
              for i in range(num_layers)]
     layers = params["layers"]
     prefix, delta, stats = embedding, None, None  # layer 0's pre-attention mixes no block
@@ -123,14 +125,16 @@ def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbo
     return out, blocks
 
 
-def make_step(mesh, params, num_layers, backend, mailbox, stats_ahead=False, virtual_tp=None):
+def make_step(mesh, params, num_layers, backend, mailbox, stats_ahead=False, virtual_tp=None,
+              two_shot=None, variant=None):
     """The jitted step(params, embedding, blocks, table) -> (out, blocks) on `mesh` (a Mesh,
     or an AbstractMesh to trace it; with `virtual_tp`, on its one device: no shard_map).
     `table`: None for the reference, else of `table_shape(mesh, tp)` (a MeshMailbox's table;
-    in virtual TP the mailbox's own [tp + 1, 2])."""
+    in virtual TP the mailbox's own [tp + 1, 2]). `two_shot`, `variant`: as in `decode_step`."""
     def step(p, e, b, t):
         return decode_step(p, e, b, t, num_layers=num_layers, backend=backend, mailbox=mailbox,
-                           stats_ahead=stats_ahead, virtual_tp=virtual_tp)
+                           stats_ahead=stats_ahead, virtual_tp=virtual_tp, two_shot=two_shot,
+                           variant=variant)
 
     if virtual_tp:
         return jax.jit(step)

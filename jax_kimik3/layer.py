@@ -19,6 +19,7 @@ from jax_kimik3.config import KIMI_K3, LayerPlan
 from jax_kimik3.layout import MailboxSpec
 from jax_kimik3.mailbox import Mailbox
 from jax_kimik3.mesh_mailbox import MeshMailbox
+from jax_kimik3.tuning import TAIL_VARIANT_NAMES, TailVariant
 
 
 class AttnResWeights(NamedTuple):
@@ -54,12 +55,15 @@ def _delta(site, delta):
 class AttentionTail:
     """Decoder layer `plan.index`'s tail. `mailbox` (a Mailbox; a MeshMailbox or a MailboxSpec,
     each with the peer table passed at call time) runs the all-reduce through peer mailboxes
-    on the kernels; None runs XLA's psum. Hashable: pass it as a static argument."""
+    on the kernels; None runs XLA's psum. `two_shot` and `variant` override the measured table
+    for the post-attention tail, as in `oproj_attn_res`. Hashable: pass it as a static argument."""
 
     plan: LayerPlan
     axis_name: str = "tp"
     mailbox: Any = None
     backend: Backend = "auto"
+    two_shot: bool | None = None
+    variant: TailVariant | None = None
 
     def __post_init__(self):
         problems = []
@@ -75,6 +79,11 @@ class AttentionTail:
                             "MailboxSpec or None")
         if self.backend not in BACKENDS:
             problems.append(f"backend={self.backend!r} must be one of {BACKENDS}")
+        if self.two_shot not in (None, True, False):
+            problems.append(f"two_shot={self.two_shot!r} must be None, True or False")
+        if self.variant is not None and self.variant not in TAIL_VARIANT_NAMES:
+            problems.append(f"variant={self.variant!r} must be None or one of "
+                            f"{TAIL_VARIANT_NAMES}")
         if problems:
             raise ValueError("AttentionTail: " + "; ".join(problems))
 
@@ -125,7 +134,7 @@ class AttentionTail:
                     num_blocks=site.num_blocks, has_delta=site.has_delta, mailbox=self.mailbox,
                     peer_table=peer_table,
                     ahead=None if ahead is None else (ahead.res_norm_w, ahead.res_proj_w),
-                    backend=self.backend)
+                    two_shot=self.two_shot, variant=self.variant, backend=self.backend)
 
 
 def final_attn_res(weights: AttnResWeights, prefix, blocks, delta, *, stats=None,

@@ -144,6 +144,29 @@ def test_public_variant_overrides_the_table(variant, tp, b):
     assert ("dot_general" in text) == (variant == "xla")
 
 
+@pytest.mark.parametrize("variant, two_shot", [(None, None), ("xla", False), ("split", False)])
+def test_decode_step_carries_the_tails_overrides(variant, two_shot):
+    """decode.make_step(two_shot=, variant=) reaches every layer's post-attention tail
+    (AttentionTail): at TP 8, B = 32 the table's split two-shot tail, else the asked one."""
+    from jax_kimik3 import backend, decode
+    from jax_kimik3.kernels import launch
+    from jax.sharding import AbstractMesh
+
+    tp, b, layers = 8, 32, 2
+    assert tuning.tail_variant(b, K_TOTAL // tp) == "split" and tuning.use_two_shot(b, tp)
+    params = decode.param_shapes(layers)
+    step = decode.make_step(AbstractMesh((tp,), ("tp",)), params, layers, "kernel",
+                            MailboxSpec(MailboxLayout(tp)), two_shot=two_shot, variant=variant)
+    calls = []
+    with backend.kernel_mode_set("jit"), launch.recording(lambda c, fn, i: calls.append(c)):
+        step.trace(params, spec(b, H), spec(b, NB, H), spec(tp, tp + 1, 2, dtype=jnp.uint32))
+    tails = [c for c in calls if c.variant.family == "tail"]
+    assert len(tails) == layers
+    for call in tails:
+        assert (call.variant.params[0] is None) == (variant == "xla")
+        assert call.variant.params[2].reduction.two_shot == (two_shot is not False)
+
+
 def test_unknown_variant_is_refused():
     with pytest.raises(ValueError, match=r"variant='two_shot' must be one of"):
         tail(1, 8, 8, variant="two_shot")

@@ -299,6 +299,10 @@ def test_backend_kernel_needs_kimi_h():
      r"mailbox=<object .* must be a Mailbox, a MeshMailbox, a MailboxSpec or None"),
     (lambda: k3.AttentionTail(k3.KIMI_K3.layer(0), backend="xla"),
      r"backend='xla' must be one of"),
+    (lambda: k3.AttentionTail(k3.KIMI_K3.layer(0), two_shot="yes"),
+     r"two_shot='yes' must be None, True or False"),
+    (lambda: k3.AttentionTail(k3.KIMI_K3.layer(0), variant="two_shot"),
+     r"variant='two_shot' must be None or one of \('fused', 'split', 'xla'\)"),
 ])
 def test_attention_tail_rejects(make, pattern):
     with pytest.raises(ValueError, match=r"^AttentionTail: " + pattern):
