@@ -18,7 +18,7 @@ from jax_kimik3.config import KIMI_K3
 from jax_kimik3.statistics import AttnResStatistics
 from jax_kimik3.validation import (Checker, check_attn_res, check_axis, check_backend,
                                    check_blocks, check_fits, check_mailbox, check_rows,
-                                   check_weights)
+                                   check_variant, check_weights)
 
 EPS = KIMI_K3.rms_norm_eps
 
@@ -216,12 +216,7 @@ def _check_tail(check, x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
     """The arguments of the ranks' post-attention tail, into `check`; `ranks`: TP (the axis
     size, or the virtual shards' count), None if unknown."""
     check.flag("has_delta", has_delta)
-    check.flag("two_shot", two_shot, optional=True)
-    if variant is not None and variant not in tuning.TAIL_VARIANT_NAMES:
-        check.fail(f"variant={variant!r} must be None or one of {tuning.TAIL_VARIANT_NAMES}")
-    elif variant == "fused" and (two_shot or ahead is not None):
-        check.fail(f"variant='fused' is one-shot without statistics ahead; got "
-                   f"two_shot={two_shot!r}, ahead={'None' if ahead is None else '(...)'}")
+    check_variant(check, variant, two_shot, ahead)
     rows = check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                           num_blocks=num_blocks, eps=eps, out_eps=out_eps)
     if rows is not None and check.array("x", x, (rows[0], None), jnp.bfloat16):

@@ -19,7 +19,8 @@ from jax_kimik3.config import KIMI_K3, LayerPlan
 from jax_kimik3.layout import MailboxSpec
 from jax_kimik3.mailbox import Mailbox
 from jax_kimik3.mesh_mailbox import MeshMailbox
-from jax_kimik3.tuning import TAIL_VARIANT_NAMES, TailVariant
+from jax_kimik3.tuning import TailVariant
+from jax_kimik3.validation import Checker, check_variant
 
 
 class AttnResWeights(NamedTuple):
@@ -66,26 +67,18 @@ class AttentionTail:
     variant: TailVariant | None = None
 
     def __post_init__(self):
-        problems = []
+        check = Checker("AttentionTail")
         if not isinstance(self.plan, LayerPlan):
-            problems.append(f"plan={self.plan!r} must be a LayerPlan (KIMI_K3.layer(i))")
-        try:
-            hash(self.axis_name)
-        except TypeError:
-            problems.append(f"axis_name={self.axis_name!r} must be hashable (a mesh axis name)")
+            check.fail(f"plan={self.plan!r} must be a LayerPlan (KIMI_K3.layer(i))")
+        check.hashable(axis_name=self.axis_name)
         if self.mailbox is not None and not isinstance(self.mailbox,
                                                        (Mailbox, MeshMailbox, MailboxSpec)):
-            problems.append(f"mailbox={self.mailbox!r} must be a Mailbox, a MeshMailbox, a "
-                            "MailboxSpec or None")
+            check.fail(f"mailbox={self.mailbox!r} must be a Mailbox, a MeshMailbox, a "
+                       "MailboxSpec or None")
         if self.backend not in BACKENDS:
-            problems.append(f"backend={self.backend!r} must be one of {BACKENDS}")
-        if self.two_shot not in (None, True, False):
-            problems.append(f"two_shot={self.two_shot!r} must be None, True or False")
-        if self.variant is not None and self.variant not in TAIL_VARIANT_NAMES:
-            problems.append(f"variant={self.variant!r} must be None or one of "
-                            f"{TAIL_VARIANT_NAMES}")
-        if problems:
-            raise ValueError("AttentionTail: " + "; ".join(problems))
+            check.fail(f"backend={self.backend!r} must be one of {BACKENDS}")
+        check_variant(check, self.variant, self.two_shot)
+        check.done()
 
     def pre_attention(self, weights: AttnResWeights, prefix, blocks, delta=None, stats=None):
         """(attention input, new prefix, new blocks): the last MLP output `delta` (None at layer

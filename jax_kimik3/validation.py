@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kimik3 import backend as backends
+from jax_kimik3 import tuning
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.layout import MailboxSpec
 from jax_kimik3.mailbox import Mailbox
@@ -181,6 +182,17 @@ def check_backend(check, backend, hidden=None):
         problem = backends.kernel_problem(hidden)
         if problem:
             check.fail(f"backend='kernel': {problem}")
+
+
+def check_variant(check, variant, two_shot, ahead=None):
+    """The tail's `two_shot` (True, False or None) and `variant` (None or a tuning name);
+    "fused" is one-shot and computes no statistics `ahead`."""
+    check.flag("two_shot", two_shot, optional=True)
+    if variant is not None and variant not in tuning.TAIL_VARIANT_NAMES:
+        check.fail(f"variant={variant!r} must be None or one of {tuning.TAIL_VARIANT_NAMES}")
+    elif variant == "fused" and (two_shot or ahead is not None):
+        check.fail(f"variant='fused' is one-shot without statistics ahead; got "
+                   f"two_shot={two_shot!r}, ahead={'None' if ahead is None else '(...)'}")
 
 
 def check_axis(check, axis_name):
