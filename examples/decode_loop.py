@@ -57,30 +57,44 @@ def process_seconds() -> float:
         return float(f.read().split()[0]) - started / os.sysconf("SC_CLK_TCK")
 
 
+def at_least(low):
+    """An argparse type: an int >= `low` (argparse names the flag when it is not)."""
+    def parse(text):
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (1..93)")
-    parser.add_argument("--batch", type=int, default=8, help="decode rows per rank (1..64)")
-    parser.add_argument("--tp", type=int, default=None,
+    parser.add_argument("--layers", type=at_least(1), default=4, help="decoder layers (1..93)")
+    parser.add_argument("--batch", type=at_least(1), default=8,
+                        help="decode rows per rank (1..64)")
+    parser.add_argument("--tp", type=at_least(1), default=None,
                         help="TP ranks per group (default: all devices over --dp)")
-    parser.add_argument("--dp", type=int, default=1,
+    parser.add_argument("--dp", type=at_least(1), default=1,
                         help="data-parallel groups: a ('dp', 'tp') mesh, --batch rows each")
     parser.add_argument("--coordinator", metavar="HOST:PORT",
                         help="jax.distributed: the coordinator's address (process 0's host)")
-    parser.add_argument("--processes", type=int, metavar="N", help="jax.distributed: processes")
-    parser.add_argument("--process-id", type=int, metavar="I", help="jax.distributed: this one")
+    parser.add_argument("--processes", type=at_least(1), metavar="N",
+                        help="jax.distributed: processes")
+    parser.add_argument("--process-id", type=at_least(0), metavar="I",
+                        help="jax.distributed: this one")
     parser.add_argument("--distributed", action="store_true",
                         help="jax.distributed.initialize() from the environment (SLURM, ...)")
-    parser.add_argument("--virtual-tp", type=int, default=None, metavar="TP",
+    parser.add_argument("--virtual-tp", type=at_least(1), default=None, metavar="TP",
                         help="every one of TP ranks on one device (virtual TP; for a GPU: "
                              "one mailbox buffer per rank, all on it)")
-    parser.add_argument("--steps", type=int, default=5, help="timed decode steps")
+    parser.add_argument("--steps", type=at_least(1), default=5, help="timed decode steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=("auto", "kernel", "reference"), default="auto",
                         help="auto: kernels on a GPU, the reference elsewhere")
     parser.add_argument("--check", action="store_true",
                         help="also run the reference step and compare (kernel runs)")
-    parser.add_argument("--check-every", type=int, default=10, metavar="N",
+    parser.add_argument("--check-every", type=at_least(0), default=10, metavar="N",
                         help="kernel runs: read the mailbox's failure record every N steps "
                              "(Mailbox.check); 0: only after the last step")
     parser.add_argument("--stats-ahead", action="store_true",
@@ -167,8 +181,10 @@ def start_distributed(args) -> int:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.dp < 1:
-        raise ValueError(f"--dp={args.dp} must be >= 1")
+    for flag, tp in (("--tp", args.tp), ("--virtual-tp", args.virtual_tp)):
+        if tp and CFG.o_proj_in_features % tp:
+            raise ValueError(f"{flag}={tp} must divide o_proj_in_features="
+                             f"{CFG.o_proj_in_features} (o_proj's K, split over the ranks)")
     processes = start_distributed(args)
     # Host devices for a CPU mesh, this process's share of it (read when the CPU backend
     # starts, which jax.distributed.initialize does not do; GPUs ignore it).
@@ -187,8 +203,6 @@ def main(argv=None):
         raise ValueError(f"--virtual-tp={args.virtual_tp} puts every rank on one device of "
                          f"one process; got --tp={tp}, --dp={args.dp}, "
                          f"{jax.process_count()} processes")
-    if args.virtual_tp:
-        CFG.o_proj_local_features(args.virtual_tp)  # a ValueError unless TP divides K
     mesh = (Mesh(np.array(devices[:args.dp * tp]).reshape(args.dp, tp), ("dp", "tp"))
             if args.dp > 1 else Mesh(np.array(devices[:tp]), ("tp",)))
     if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kimik3 import reference, tuning
-from jax_kimik3.backend import Backend, use_kernels
+from jax_kimik3.backend import Backend, kernel_problem, use_kernels
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.statistics import AttnResStatistics
 from jax_kimik3.validation import (Checker, check_attn_res, check_axis, check_backend,
@@ -83,7 +83,7 @@ def attn_res_statistics(blocks, res_norm_w, res_proj_w, *, num_blocks, eps=EPS,
     check.done()
     mixture, scal = _attn_res_statistics(blocks, res_norm_w, res_proj_w, num_blocks=num_blocks,
                                          eps=eps, backend=backend)
-    return AttnResStatistics(mixture, scal, num_blocks)
+    return AttnResStatistics(mixture, scal, num_blocks, eps)
 
 
 @functools.partial(jax.jit, static_argnames=("num_blocks", "eps", "backend"))
@@ -153,9 +153,10 @@ def oproj_attn_res_virtual(x, w, prefix, blocks, res_norm_w, res_proj_w, out_nor
     if check.hashable(num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
                       mailbox=mailbox, two_shot=two_shot, variant=variant, backend=backend):
         if not all(hasattr(a, "ndim") for a in (x, w)) or x.ndim != 3 or w.ndim != 3 or (
-                x.shape[0] != w.shape[0]):
+                x.shape[0] != w.shape[0]) or x.shape[0] < 1:
             check.fail(f"x has shape={getattr(x, 'shape', x)} and w shape="
-                       f"{getattr(w, 'shape', w)}; expected [TP, B, K/TP] and [TP, H, K/TP]")
+                       f"{getattr(w, 'shape', w)}; expected [TP, B, K/TP] and [TP, H, K/TP] "
+                       "with TP >= 1")
         else:
             _check_tail(check, x[0], w[0], prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
                         num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps,
@@ -201,7 +202,7 @@ def _tail_ranks(x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, table,
             ranks=_ranks(axis_name, r), spec=spec, num_blocks=num_blocks, has_delta=has_delta,
             eps=eps, out_eps=out_eps, ahead=ahead, two_shot=two_shot, variant=variant)
         return (out, new_prefix, blocks,
-                *(AttnResStatistics(m, s, num_blocks) for m, s in stats))
+                *(AttnResStatistics(m, s, num_blocks, eps) for m, s in stats))
     out, new_prefix, new_blocks, *stats = _with_ahead(reference.oproj_attn_res_ranks(
         x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, axis_name=axis_name,
         num_blocks=num_blocks, has_delta=has_delta, eps=eps, out_eps=out_eps), blocks, ahead,
@@ -247,7 +248,7 @@ def _with_ahead(results, blocks, ahead, num_blocks, eps):
     if ahead is None:
         return results
     mixture, scal = reference.attn_res_statistics(blocks, *ahead, num_blocks=num_blocks, eps=eps)
-    return (*results, AttnResStatistics(mixture, scal, num_blocks))
+    return (*results, AttnResStatistics(mixture, scal, num_blocks, eps))
 
 
 def all_reduce(rows, mailbox, *, axis_name, two_shot=False, peer_table=None):
@@ -275,9 +276,9 @@ def all_reduce_virtual(partials, mailbox, *, two_shot=False, peer_table=None):
     one rank, for all of them (every publish, then every consumer)."""
     check = Checker("all_reduce_virtual")
     if check.hashable(mailbox=mailbox, two_shot=two_shot):
-        if not hasattr(partials, "ndim") or partials.ndim != 3:
+        if not hasattr(partials, "ndim") or partials.ndim != 3 or partials.shape[0] < 1:
             check.fail(f"partials has shape={getattr(partials, 'shape', partials)}; expected "
-                       "[TP, B, H]")
+                       "[TP, B, H] with TP >= 1")
         else:
             _check_reduce(check, partials[0], "partials[r]", mailbox, peer_table, two_shot,
                           ranks=partials.shape[0], virtual=True)
@@ -299,6 +300,9 @@ def _check_reduce(check, rows, name, mailbox, peer_table, two_shot, *, ranks, ax
                   virtual=False):
     check.flag("two_shot", two_shot)
     shape = check_rows(check, name, rows)
+    problem = kernel_problem()
+    if problem:
+        check.fail(f"the all-reduce runs on the kernels: {problem}")
     spec = check_mailbox(check, mailbox, peer_table, axis_name=axis_name, axis_size=ranks,
                          virtual=virtual)
     if spec is not None and shape is not None:

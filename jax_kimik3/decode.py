@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_kimik3.config import KIMI_K3
+from jax_kimik3.config import KIMI_K3, check_int
 from jax_kimik3.layer import AttentionTail, AttnResWeights, final_attn_res
 from jax_kimik3.mesh_mailbox import table_spec
 
@@ -28,8 +28,17 @@ AXIS = "tp"
 DATA_AXIS = "dp"  # a mesh ("dp", "tp"): each data-parallel group its own rows and TP mailbox
 
 
+def check_virtual_tp(virtual_tp):
+    """None, or a TP that splits o_proj's K into whole shards."""
+    if virtual_tp is not None and K % check_int("virtual_tp", virtual_tp, 1):
+        raise ValueError(f"virtual_tp={virtual_tp} must divide o_proj_in_features={K}")
+    return virtual_tp
+
+
 def param_shapes(num_layers, virtual_tp=None):
     """The step's parameters as ShapeDtypeStructs (bf16): what `init_params` makes."""
+    check_int("num_layers", num_layers, 1, KIMI_K3.num_layers)
+    check_virtual_tp(virtual_tp)
     s = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
     site = AttnResWeights(s((H,)), s((H,)), s((H,)))
     o_proj = s((virtual_tp, H, K // virtual_tp)) if virtual_tp else s((H, K))
@@ -41,6 +50,8 @@ def param_shapes(num_layers, virtual_tp=None):
 def init_params(key, mesh, num_layers, virtual_tp=None):
     """Random weights, created on `mesh`: o_proj and the attention stand-in split along K
     (with `virtual_tp`, o_proj held as the ranks' shards [TP, H, K/TP] on the one device)."""
+    check_int("num_layers", num_layers, 1, KIMI_K3.num_layers)
+    check_virtual_tp(virtual_tp)
     split = NamedSharding(mesh, P(None, AXIS))
     whole = NamedSharding(mesh, P())
 
@@ -101,10 +112,13 @@ def decode_step(params, embedding, blocks, table, *, num_layers, backend, mailbo
     With `virtual_tp` (a mesh of one device) the tail runs that many ranks on the device.
     `two_shot` and `variant` override the measured table in every post-attention tail.
     Returns (out [B, H], blocks [B, NB, H])."""
+    layers = params["layers"]
+    if check_int("num_layers", num_layers, 1, KIMI_K3.num_layers) > len(layers):
+        raise ValueError(f"num_layers={num_layers}, but params has {len(layers)} layers")
+    check_virtual_tp(virtual_tp)
     tails = [AttentionTail(KIMI_K3.layer(i), axis_name=AXIS, mailbox=mailbox, backend=backend,
                            two_shot=two_shot, variant=variant)
              for i in range(num_layers)]
-    layers = params["layers"]
     prefix, delta, stats = embedding, None, None  # layer 0's pre-attention mixes no block
     for i, tail in enumerate(tails):
         layer = layers[i]

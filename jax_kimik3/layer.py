@@ -70,6 +70,11 @@ class AttentionTail:
         check = Checker("AttentionTail")
         if not isinstance(self.plan, LayerPlan):
             check.fail(f"plan={self.plan!r} must be a LayerPlan (KIMI_K3.layer(i))")
+        elif not (isinstance(self.plan.index, int)  # the final AttnRes, every epsilon: K3's
+                  and 0 <= self.plan.index < KIMI_K3.num_layers
+                  and KIMI_K3.layer(self.plan.index) == self.plan):
+            check.fail(f"plan (layer index={self.plan.index!r}) is not one of Kimi K3's layer "
+                       "plans: pass KIMI_K3.layer(i)")
         check.hashable(axis_name=self.axis_name)
         if self.mailbox is not None and not isinstance(self.mailbox,
                                                        (Mailbox, MeshMailbox, MailboxSpec)):

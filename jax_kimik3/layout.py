@@ -86,7 +86,7 @@ class MailboxLayout:
 
     def __post_init__(self):
         check_int("tp", self.tp, 1)
-        check_int("capacity", self.capacity, 1)
+        check_int("capacity", self.capacity, 1, KIMI_K3.mailbox_capacity)  # the kernels' rows
         check_int("hidden", self.hidden, 1)
         if self.hidden % (VECTOR * self.tp):
             raise ValueError(f"tp={self.tp} must be >= 1 and divide hidden={self.hidden} into "

@@ -9,6 +9,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_kimik3 import backend as backends
 from jax_kimik3 import tuning
@@ -19,6 +20,7 @@ from jax_kimik3.mesh_mailbox import MeshMailbox
 from jax_kimik3.statistics import AttnResStatistics
 
 CAPACITY = KIMI_K3.mailbox_capacity
+EPS_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
 CONCURRENT_COMMANDS = "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
 
 
@@ -67,10 +69,16 @@ class Checker:
         return True
 
     def epsilon(self, name, value):
-        """A finite number > 0."""
-        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+        """A Python or NumPy number that float32 holds as a normal number > 0 (the kernels and
+        the reference add it in float32: a smaller one is 0 there, and a zero row's norm
+        divides by it)."""
+        if (isinstance(value, bool) or not isinstance(value, (numbers.Integral, float,
+                                                               np.floating))
                 or not math.isfinite(value) or not value > 0):
             self.fail(f"{name}={value!r} must be a finite number > 0")
+        elif not EPS_RANGE[0] <= value <= EPS_RANGE[1]:
+            self.fail(f"{name}={value!r} must be in [{EPS_RANGE[0]:.8g}, {EPS_RANGE[1]:.8g}] "
+                      "(a normal float32)")
 
     def batch(self, name, b, capacity=CAPACITY):
         if not 1 <= b <= capacity:
@@ -140,8 +148,8 @@ def check_weights(check, h, eps, **weights):
     check.epsilon("eps", eps)
 
 
-def check_statistics(check, stats, rows, num_blocks):
-    """`stats` from `attn_res_statistics` for the same rows and `num_blocks`."""
+def check_statistics(check, stats, rows, num_blocks, eps):
+    """`stats` from `attn_res_statistics` for the same rows, `num_blocks` and `eps`."""
     if not isinstance(stats, AttnResStatistics):
         check.fail(f"stats={_short(stats)} must be the AttnResStatistics that "
                    "attn_res_statistics (or oproj_attn_res(ahead=)) returns: it records "
@@ -151,8 +159,11 @@ def check_statistics(check, stats, rows, num_blocks):
     check.array("stats.mixture", stats.mixture, (b, h), jnp.float32)
     check.array("stats.scal", stats.scal, (b, 2), jnp.float32)
     if stats.num_blocks != num_blocks:
-        check.fail(f"stats cover num_blocks={stats.num_blocks} saved blocks; this call mixes "
-                   f"num_blocks={num_blocks}")
+        check.fail(f"stats cover num_blocks={stats.num_blocks!r} saved blocks; this call mixes "
+                   f"num_blocks={num_blocks!r}")
+    if np.float32(stats.eps) != np.float32(eps):
+        check.fail(f"stats were taken with eps={stats.eps!r}; this call normalises the "
+                   f"saved blocks with eps={eps!r}")
 
 
 def check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *, num_blocks,
@@ -170,7 +181,7 @@ def check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
     if delta is not None:
         check.array("delta", delta, (b, h), jnp.bfloat16)
     if stats is not None:
-        check_statistics(check, stats, rows, num_blocks)
+        check_statistics(check, stats, rows, num_blocks, eps)
     return rows
 
 
@@ -196,8 +207,14 @@ def check_variant(check, variant, two_shot, ahead=None):
 
 
 def check_axis(check, axis_name):
-    """`axis_name` bound by the enclosing shard_map: its size, or None."""
+    """`axis_name` (a mesh axis name, or a tuple of distinct ones) bound by the enclosing
+    shard_map: its size, or None."""
     if not check.hashable(axis_name=axis_name):
+        return None
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or not all(isinstance(n, str) for n in names) or len(set(names)) < len(names):
+        check.fail(f"axis_name={axis_name!r} must be a mesh axis name or a tuple of distinct "
+                   "ones (the TP axis)")
         return None
     try:
         return jax.lax.axis_size(axis_name)

@@ -1,5 +1,6 @@
 """The README's example runs (on CPU: the reference on host devices)."""
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -38,6 +39,31 @@ def test_decode_loop_runs(ranks):
                      r"\(reference\)", result.stdout)
     checksum = _checksum(result.stdout)
     assert checksum == checksum and abs(checksum) < 1e6  # finite and of a sane size
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags,pattern", [
+    (["--steps", "0"], r"argument --steps: must be >= 1, got 0"),
+    (["--tp", "-1"], r"argument --tp: must be >= 1, got -1"),
+    (["--virtual-tp", "0"], r"argument --virtual-tp: must be >= 1, got 0"),
+    (["--check-every", "-1"], r"argument --check-every: must be >= 0, got -1"),
+])
+def test_decode_loop_refuses_counts(capsys, flags, pattern):
+    with pytest.raises(SystemExit):
+        _example("decode_loop").parse_args(flags)
+    assert re.search(pattern, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--virtual-tp"])
+def test_decode_loop_refuses_a_tp_that_does_not_split_o_proj(flag):
+    with pytest.raises(ValueError, match=rf"{flag}=5 must divide o_proj_in_features=12288"):
+        _example("decode_loop").main([flag, "5"])
 
 
 def test_decode_loop_under_jax_distributed():

@@ -1,5 +1,6 @@
 """Bad input raises a ValueError at trace time naming the argument, its value and the limit."""
 
+import fractions
 import functools
 import os
 
@@ -72,6 +73,15 @@ ATTN_RES_CASES = [
     ("eps bool", {}, dict(eps=True), r"eps=True must be a finite number > 0"),
     ("eps str", {}, dict(eps="1e-5"), r"eps='1e-5' must be a finite number > 0"),
     ("out_eps", {}, dict(out_eps=-1e-5), r"out_eps=-1e-05 must be a finite number > 0"),
+    ("eps float32 zero", {}, dict(eps=1e-38),
+     r"eps=1e-38 must be in \[1.1754944e-38, 3.4028235e\+38\] \(a normal float32\)"),
+    ("out_eps float32 zero", {}, dict(out_eps=1e-50), r"out_eps=1e-50 must be in \[1.17"),
+    ("eps float32 inf", {}, dict(eps=1e39), r"eps=1e\+39 must be in \[1.17"),
+    ("eps fraction", {}, dict(eps=fractions.Fraction(1, 100000)),
+     r"eps=Fraction\(1, 100000\) must be a finite number > 0"),
+    ("stats of other eps", dict(stats=k3.AttnResStatistics(spec((4, H), jnp.float32),
+                                                           spec((4, 2), jnp.float32), 2, 1.0)),
+     {}, r"stats were taken with eps=1.0; this call normalises the saved blocks with eps=1e-05"),
     ("num_blocks float", {}, dict(num_blocks=2.0), r"num_blocks=2.0 must be an integer"),
     ("num_blocks bool", {}, dict(num_blocks=True), r"num_blocks=True must be an integer"),
     ("write_idx float", {}, dict(num_blocks=2, write_idx=3.0), r"write_idx=3.0 must be an integer"),
@@ -106,6 +116,22 @@ def test_every_problem_is_reported_at_once():
 def test_valid_arguments_trace():
     trace_attn_res(attn_args(), num_blocks=8)
     trace_attn_res({**attn_args(), "out_norm_w": None}, num_blocks=4, write_idx=7)
+    trace_attn_res(attn_args(), num_blocks=2, eps=np.float32(1e-6), out_eps=1)
+
+
+def test_statistics_carry_their_eps(rng):
+    """Statistics mix only into a call of the same eps; they keep it through jax.jit."""
+    blocks = jnp.asarray(rng.standard_normal((4, NB, H)), bf16)
+    g, w = (jnp.asarray(1 + 0.1 * rng.standard_normal(H), bf16) for _ in range(2))
+    stats = jax.jit(lambda b: k3.attn_res_statistics(b, g, w, num_blocks=2, eps=1e-3))(blocks)
+    assert (stats.num_blocks, stats.eps) == (2, 1e-3)
+    prefix = jnp.asarray(rng.standard_normal((4, H)), bf16)
+    with_stats = k3.attn_res(prefix, blocks, g, w, g, num_blocks=2, eps=1e-3, stats=stats)[0]
+    without = k3.attn_res(prefix, blocks, g, w, g, num_blocks=2, eps=1e-3)[0]
+    np.testing.assert_allclose(np.float32(with_stats), np.float32(without), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match=r"stats were taken with eps=0.001; this call "
+                                         r"normalises the saved blocks with eps=1e-05"):
+        k3.attn_res(prefix, blocks, g, w, g, num_blocks=2, stats=stats)
 
 
 @pytest.mark.parametrize("blocks,num_blocks,pattern", [
@@ -155,6 +181,7 @@ def test_oproj_attn_res_rejects_ahead(ahead, pattern):
                                    r"\[TP, B, K/TP\] and \[TP, H, K/TP\]"),
     (spec((2, 4, 48)), spec((2, H, 40)),
      r"w has shape=\(256, 40\) dtype=bfloat16; expected shape=\(256, 48\)"),
+    (spec((0, 4, 48)), spec((0, H, 48)), r"x has shape=\(0, 4, 48\) .* with TP >= 1"),
 ])
 def test_oproj_attn_res_virtual_rejects(x, w, pattern):
     with pytest.raises(ValueError, match=r"^oproj_attn_res_virtual: .*" + pattern):
@@ -192,6 +219,10 @@ TAIL_CASES = [
     ("out_eps nan", dict(out_eps=float("nan")), r"out_eps=nan must be a finite number > 0"),
     ("unbound axis", dict(axis_name="model"),
      r"axis_name='model' is not bound: call inside shard_map"),
+    ("empty axis tuple", dict(axis_name=()),
+     r"axis_name=\(\) must be a mesh axis name or a tuple of distinct ones"),
+    ("repeated axis", dict(axis_name=("tp", "tp")), r"axis_name=\('tp', 'tp'\) must be a mesh"),
+    ("axis position", dict(axis_name=0), r"axis_name=0 must be a mesh axis name"),
     ("unhashable axis", dict(axis_name=["tp"]),
      r"axis_name=\['tp'\] is a static argument and must be hashable"),
     ("mailbox type", dict(mailbox="box"), r"mailbox='box' must be a Mailbox, a MeshMailbox, a MailboxSpec or None"),
@@ -305,6 +336,8 @@ def test_backend_kernel_needs_kimi_h():
      r"two_shot=1 must be True or False or None"),
     (lambda: k3.AttentionTail(k3.KIMI_K3.layer(0), variant="fused", two_shot=True),
      r"variant='fused' is one-shot without statistics ahead; got two_shot=True"),
+    (lambda: k3.AttentionTail(k3.KimiK3Config(attn_res_block_size=2).layer(3)),
+     r"plan \(layer index=3\) is not one of Kimi K3's layer plans: pass KIMI_K3.layer\(i\)"),
     (lambda: k3.AttentionTail(k3.KIMI_K3.layer(0), variant="two_shot"),
      r"variant='two_shot' must be None or one of \('fused', 'split', 'xla'\)"),
 ])
@@ -358,6 +391,8 @@ def test_all_reduce_rejects(rows, static, pattern):
     (spec((4, 7168)), mailbox_spec(2, virtual=True), r"partials has shape=\(4, 7168\); expected"),
     (spec((2, 4, 7168)), mailbox_spec(2),
      r"has its 2 ranks on different devices; virtual TP runs every rank on one device"),
+    (spec((0, 4, 7168)), mailbox_spec(2, virtual=True),
+     r"partials has shape=\(0, 4, 7168\); expected \[TP, B, H\] with TP >= 1"),
 ])
 def test_all_reduce_virtual_rejects(partials, mailbox, pattern):
     with pytest.raises(ValueError, match=r"^all_reduce_virtual: .*" + pattern):
@@ -365,11 +400,20 @@ def test_all_reduce_virtual_rejects(partials, mailbox, pattern):
             partials, TABLE((mailbox.tp + 1, 2)))
 
 
+def test_all_reduce_needs_the_kernels(monkeypatch):
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    with pytest.raises(ValueError, match=r"^all_reduce: the all-reduce runs on the kernels: "
+                                         r"needs a CUDA GPU"):
+        reduce_trace(lambda r, t: k3.all_reduce(r, mailbox_spec(2), axis_name="tp",
+                                                peer_table=t), spec((4, 7168)))
+
+
 @pytest.mark.parametrize("make,pattern", [
     (lambda: k3.MailboxLayout(0), r"tp=0 must be >= 1"),
     (lambda: k3.MailboxLayout(2.0), r"tp=2.0 must be an integer"),
     (lambda: k3.MailboxLayout(3), r"tp=3 must be >= 1 and divide hidden=7168"),
-    (lambda: k3.MailboxLayout(2, capacity=0), r"capacity=0 must be >= 1"),
+    (lambda: k3.MailboxLayout(2, capacity=0), r"capacity=0 must be in \[1, 64\]"),
+    (lambda: k3.MailboxLayout(2, capacity=128), r"capacity=128 must be in \[1, 64\]"),
     (lambda: k3.MailboxSpec(k3.MailboxLayout(2), timeout_ms=0),
      r"timeout_ms=0 must be a number in \(0, 600000\]"),
     (lambda: k3.MailboxSpec(k3.MailboxLayout(2), timeout_ms=-5.0), r"timeout_ms=-5.0 must be"),
@@ -396,3 +440,25 @@ def test_mailbox_needs_cuda_devices():
     """A host without a CUDA driver (CI): the mailbox says what it needs."""
     with pytest.raises(RuntimeError, match=r"Mailbox needs CUDA GPUs"):
         k3.Mailbox([0], k3.MailboxLayout(1))
+
+
+@pytest.mark.parametrize("num_layers,virtual_tp,pattern", [
+    (3, None, r"num_layers=3, but params has 2 layers"),
+    (2.0, None, r"num_layers=2.0 must be an integer"),
+    (94, None, r"num_layers=94 must be in \[1, 93\]"),
+    (2, 5, r"virtual_tp=5 must divide o_proj_in_features=12288"),
+    (2, 0, r"virtual_tp=0 must be >= 1"),
+])
+def test_decode_step_rejects(num_layers, virtual_tp, pattern):
+    from jax.sharding import AbstractMesh
+
+    from jax_kimik3 import decode
+
+    params, h, nb = decode.param_shapes(2), decode.H, k3.KIMI_K3.num_attn_res_blocks
+    step = decode.make_step(AbstractMesh((2,), ("tp",)), params, num_layers, "reference", None,
+                            virtual_tp=virtual_tp)
+    with pytest.raises(ValueError, match=pattern):
+        step.trace(params, spec((4, h)), spec((4, nb, h)), None)
+    if virtual_tp is not None:
+        with pytest.raises(ValueError, match=pattern):
+            decode.param_shapes(2, virtual_tp)
