@@ -120,11 +120,15 @@ def test_valid_arguments_trace():
 
 
 def test_statistics_carry_their_eps(rng):
-    """Statistics mix only into a call of the same eps; they keep it through jax.jit."""
+    """Statistics mix only into a call of the same eps; they keep it through jax.jit and
+    through an exported function's serialized result tree."""
     blocks = jnp.asarray(rng.standard_normal((4, NB, H)), bf16)
     g, w = (jnp.asarray(1 + 0.1 * rng.standard_normal(H), bf16) for _ in range(2))
-    stats = jax.jit(lambda b: k3.attn_res_statistics(b, g, w, num_blocks=2, eps=1e-3))(blocks)
+    take = jax.jit(lambda b: k3.attn_res_statistics(b, g, w, num_blocks=2, eps=1e-3))
+    stats = take(blocks)
     assert (stats.num_blocks, stats.eps) == (2, 1e-3)
+    exported = jax.export.deserialize(jax.export.export(take)(blocks).serialize())
+    assert (exported.call(blocks).num_blocks, exported.call(blocks).eps) == (2, 1e-3)
     prefix = jnp.asarray(rng.standard_normal((4, H)), bf16)
     with_stats = k3.attn_res(prefix, blocks, g, w, g, num_blocks=2, eps=1e-3, stats=stats)[0]
     without = k3.attn_res(prefix, blocks, g, w, g, num_blocks=2, eps=1e-3)[0]
