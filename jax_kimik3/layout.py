@@ -9,7 +9,7 @@ A rank's buffer at these byte offsets (T = TP, C = capacity rows, H = hidden; bf
 | one-shot slots | [2 buffers, T ranks, C, H] | 2·T·C·H·2 |
 | two-shot receive | [2, T ranks, C, H/T] (chunk `rank` of each peer's rows) | 2·C·H·2 |
 | two-shot gather | [2, C, H] (every owner's reduced chunk) | 2·C·H·2 |
-| control | int32 words (CONTROL): the call counter, the failure record | 32 |
+| control | 32-bit words (CONTROL): the call counter, the failure record | 32 |
 
 rounded up to the allocation granularity. Every bf16 region is armed with the 32-bit word
 SENTINEL; the control words start at 0. Which of the two buffers a call uses is `calls % 2`,
@@ -33,12 +33,14 @@ SENTINEL = 0x80000000  # fp32 -0: a mailbox word no producer can publish (bf16 -
 BUFFERS = 2  # slot buffers; a call uses buffer `calls % 2` (docs/protocol.md: why two suffice)
 DEFAULT_TIMEOUT_MS = 10_000.0  # a wait gives up after this long (Mailbox(timeout_ms=...))
 MAX_TIMEOUT_MS = 600_000.0  # ten minutes: a longer bound is no bound
+MIN_TIMEOUT_MS = 0.001  # one µs, ten poll pauses: a shorter bound is none (it rounds to 0 ns)
+MAX_TP = 32  # ranks per mailbox: CONTROL.MISSING holds one bit per rank
 POLL_PAUSE_NS = 100  # a poller sleeps this long before each re-poll, leaving the SM to others
 _ALIGN = 256
 
 
 class CONTROL:
-    """Indices of the int32 control words of a rank's buffer (at MailboxLayout.control)."""
+    """Indices of the 32-bit control words of a rank's buffer (at MailboxLayout.control)."""
 
     CALLS = 0  # all-reduces this rank has completed since arm(): the next uses buffer CALLS % 2
     FAILED = 1  # nonzero: a rank's wait gave up; every kernel on the mailbox writes NaN, waits not
@@ -67,11 +69,12 @@ def align(n, to=_ALIGN):
 
 
 def check_timeout_ms(value, name="timeout_ms") -> float:
-    """A wait's bound in ms (the argument `name`): a finite number in (0, MAX_TIMEOUT_MS]."""
+    """A wait's bound in ms (the argument `name`): a finite number in [MIN_TIMEOUT_MS,
+    MAX_TIMEOUT_MS]."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_MS):
-        raise ValueError(f"{name}={value!r} must be a number in (0, {MAX_TIMEOUT_MS:g}] "
-                         "(milliseconds a wait may last before it gives up)")
+            or not math.isfinite(value) or not MIN_TIMEOUT_MS <= value <= MAX_TIMEOUT_MS):
+        raise ValueError(f"{name}={value!r} must be a number in [{MIN_TIMEOUT_MS:g}, "
+                         f"{MAX_TIMEOUT_MS:g}] (milliseconds a wait may last before it gives up)")
     return float(value)
 
 
@@ -85,7 +88,7 @@ class MailboxLayout:
     hidden: int = KIMI_K3.hidden_size
 
     def __post_init__(self):
-        check_int("tp", self.tp, 1)
+        check_int("tp", self.tp, 1, MAX_TP)  # one bit per rank in CONTROL.MISSING
         check_int("capacity", self.capacity, 1, KIMI_K3.mailbox_capacity)  # the kernels' rows
         check_int("hidden", self.hidden, 1)
         if self.hidden % (VECTOR * self.tp):

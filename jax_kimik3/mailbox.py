@@ -37,16 +37,26 @@ from jax_kimik3.config import check_int
 from jax_kimik3.layout import (CONTROL, DEFAULT_TIMEOUT_MS, SENTINEL, WAITERS, MailboxLayout,
                                MailboxSpec, align, check_timeout_ms, peer_table)
 
+# The variables that turn NVLink multicast off, each with the value that does ("0": an enable
+# switch, off where it reads as 0 or false; "1": a disable switch, on where it reads as
+# anything but 0 or false, as NCCL, NVSHMEM and torch parse their switches).
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
                  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+FALSE_WORDS = ("", "0", "n", "no", "f", "false", "off")
+
+
+def _false(value: str) -> bool:
+    text = value.strip().lower()
+    return text in FALSE_WORDS or (text.lstrip("+-").isdigit() and int(text) == 0)
 
 
 def refuse_multicast(environ=os.environ):
     """Raise if the environment disables NVLink multicast (the shared test machines do)."""
     for name, off in MULTICAST_OFF.items():
-        if environ.get(name) == off:
+        value = environ.get(name)
+        if value is not None and _false(value) == (off == "0"):
             raise RuntimeError(
-                f"multicast mailbox refused: {name}={off} disables NVLink multicast here")
+                f"multicast mailbox refused: {name}={value!r} disables NVLink multicast here")
 
 
 class Driver:
@@ -96,8 +106,9 @@ class Mailbox:
     `ordinals`: the CUDA device of each rank's buffer (rank r on ordinals[r]; None for a rank
     of another process of `group`, a handles.ProcessGroup); `timeout_ms`:
     how long a kernel's wait for a peer may last before it gives up (writes NaN, marks the
-    mailbox failed; `check()` raises it). Also a context manager; buffers still open at
-    interpreter exit are freed then.
+    mailbox failed; `check()` raises it). Also a context manager. A mailbox collected open, or
+    still open at interpreter exit, waits for its devices and is freed then: keep the mailbox
+    itself, not only its `peer_table`, while kernels use its buffers.
     """
 
     def __init__(self, ordinals, layout: MailboxLayout, *, multicast=False,
@@ -120,16 +131,17 @@ class Mailbox:
         self.ordinals, self.owned, self.group = ordinals, tuple(owned), group
         self._buffers = []  # (address, size, handle) of each rank, in rank order
         self._multicast = []  # (address, size, handle, ordinals) of the bound multicast object
-        self._contexts = {}
-        self._cu = cu = Driver()
+        self._contexts = {}  # ordinal → its retained primary context
+        self._cu = None
         try:
-            cu("cuInit", 0)
-        except RuntimeError as e:
-            raise RuntimeError(f"Mailbox needs CUDA GPUs: {e}") from None
-        count = cu("cuDeviceGetCount")
-        if any(o >= count for o in local):
-            raise ValueError(f"ordinals={ordinals}: this host has {count} CUDA devices")
-        try:
+            self._cu = cu = Driver()
+            try:
+                cu("cuInit", 0)
+            except RuntimeError as e:
+                raise RuntimeError(f"Mailbox needs CUDA GPUs: {e}") from None
+            count = cu("cuDeviceGetCount")
+            if any(o >= count for o in local):
+                raise ValueError(f"ordinals={ordinals}: this host has {count} CUDA devices")
             for o in sorted(set(local)):
                 self._contexts[o] = cu("cuDevicePrimaryCtxRetain", cu("cuDeviceGet", o))
             if group is None:
@@ -146,11 +158,13 @@ class Mailbox:
         except BaseException as e:
             if group is not None:  # the other processes stop waiting for this one
                 handles.abandon(group, f"making the mailbox: {type(e).__name__}: {e}")
-            self._release()
+            if self._cu is not None:
+                self._release()
             raise
-        # Frees the memory when the mailbox is collected or, at the latest, at interpreter exit.
-        self._finalizer = weakref.finalize(self, Mailbox._free, cu, self._buffers,
-                                           self._multicast)
+        # When the mailbox is collected or, at the latest, at interpreter exit: its devices
+        # go idle, then its memory and contexts are released (nothing if it was closed).
+        self._finalizer = weakref.finalize(self, Mailbox._collect, cu, self._contexts,
+                                           self._buffers, self._multicast)
 
     @classmethod
     def for_devices(cls, devices, **kwargs):
@@ -386,7 +400,13 @@ class Mailbox:
         """A host copy of `nbytes` of rank `rank`'s buffer from byte `offset` (for checks);
         waits for the devices first."""
         self._require_open("Mailbox.read")
-        out = np.empty(nbytes // np.dtype(dtype).itemsize, dtype)
+        check_int("rank", rank, 0, self.tp - 1)
+        size = self._buffers[rank][1]
+        check_int("offset", offset, 0, size)
+        itemsize = np.dtype(dtype).itemsize
+        if check_int("nbytes", nbytes, 0, size - offset) % itemsize:
+            raise ValueError(f"nbytes={nbytes} must be a multiple of {itemsize} (dtype={dtype})")
+        out = np.empty(nbytes // itemsize, dtype)
         self._synchronize()
         self._cu("cuMemcpyDtoH", out.ctypes.data, self.addresses[rank] + offset, nbytes)
         return out
@@ -398,8 +418,8 @@ class Mailbox:
                    for r in range(self.tp))
 
     def control(self) -> np.ndarray:
-        """int32 [TP, CONTROL.WORDS]: every rank's control words (waits for the GPUs)."""
-        return np.stack([self.read(r, self.layout.control, 4 * CONTROL.WORDS, np.int32)
+        """uint32 [TP, CONTROL.WORDS]: every rank's control words (waits for the GPUs)."""
+        return np.stack([self.read(r, self.layout.control, 4 * CONTROL.WORDS)
                          for r in range(self.tp)])
 
     def calls(self) -> list[int]:
@@ -436,6 +456,21 @@ class Mailbox:
                 f"Mailbox.arm() re-arms it ({how})")
 
     @staticmethod
+    def _collect(cu, contexts, buffers, multicast):
+        """The finalizer: a mailbox collected open waits for its devices (a kernel may still
+        use its buffers), then frees them and releases its contexts."""
+        if not contexts:  # closed (or never opened): nothing left
+            return
+        raw = cu.cu
+        for ctx in contexts.values():  # best effort: a device with a sticky error still frees
+            raw.cuCtxSetCurrent(ctx)
+            raw.cuCtxSynchronize()
+        Mailbox._free(cu, buffers, multicast)
+        for ordinal in contexts:
+            raw.cuDevicePrimaryCtxRelease(raw.cuDeviceGet(ordinal)[1])
+        contexts.clear()
+
+    @staticmethod
     def _free(cu, buffers, multicast):
         raw = cu.cu
         for address, size, handle, ordinals in multicast:
@@ -455,7 +490,7 @@ class Mailbox:
         Mailbox._free(self._cu, self._buffers, self._multicast)
         for ordinal in self._contexts:
             self._cu.cu.cuDevicePrimaryCtxRelease(self._cu.cu.cuDeviceGet(ordinal)[1])
-        self._contexts = {}
+        self._contexts.clear()  # in place: the finalizer holds the same dict
 
     def close(self):
         """Wait for every device of the mailbox to go idle, then free every buffer; closing

@@ -156,17 +156,24 @@ class MeshMailbox:
         return (f"MeshMailbox(mesh={dict(self.mesh.shape)}, axis_name={self.axis_name!r}, "
                 f"groups={self.spec.groups}, {state})")
 
+    def _require_open(self, what):
+        if self.closed:
+            raise ValueError(f"{what}: mailbox={self!r} is closed")
+
     def arm(self):
         """Re-arm every group (collective: each group's processes arm it together)."""
+        self._require_open("MeshMailbox.arm")
         for mailbox in self._groups.values():
             mailbox.arm()
 
     def calls(self) -> dict[int, list[int]]:
         """Group index → all-reduces each of its ranks has completed since the last arm."""
+        self._require_open("MeshMailbox.calls")
         return {g: m.calls() for g, m in self._groups.items()}
 
     def check(self):
         """Raise TimeoutError if a wait of any group this process serves gave up."""
+        self._require_open("MeshMailbox.check")
         failures = []
         for g, mailbox in self._groups.items():
             try:

@@ -116,8 +116,13 @@ def library_path() -> pathlib.Path:
 
 @functools.cache
 def load_library(path: pathlib.Path) -> Library:
-    handle = ctypes.CDLL(str(path))
-    manifest = getattr(handle, MANIFEST_SYMBOL)
+    try:
+        handle = ctypes.CDLL(str(path))
+        manifest = getattr(handle, MANIFEST_SYMBOL)
+    except (OSError, AttributeError) as e:
+        where = f"{LIBRARY_ENV}={path}" if os.environ.get(LIBRARY_ENV) else str(path)
+        raise RuntimeError(f"{where} is not the kernel library (python -m "
+                           f"jax_kimik3.native_build makes it): {e}") from None
     manifest.restype = ctypes.c_char_p
     info = json.loads(manifest())
     return Library(path, info["arch"], info["dsl"], info.get("sources", "unknown"), info["calls"],

@@ -114,7 +114,7 @@ def test_group_arguments():
         ProcessGroup("g", 1, (0, 2), store=store)
     with pytest.raises(ValueError, match=r"process_id=0 differs from the store's process id \(1"):
         ProcessGroup("g", 0, (0, 1), store=store)
-    with pytest.raises(ValueError, match=r"timeout_ms=0 must be a number in \(0, 600000\]"):
+    with pytest.raises(ValueError, match=r"timeout_ms=0 must be a number in \[0.001, 600000\]"):
         ProcessGroup("g", 1, (0, 1), store=store, timeout_ms=0)
     group = ProcessGroup("g", 1, (0, 1, 1, 2), store=store)
     assert group.ranks(1) == (1, 2) and group.owns(2) and not group.owns(3)

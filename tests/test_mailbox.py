@@ -81,6 +81,24 @@ def test_multicast_refused(monkeypatch, name):
         refuse_multicast()
 
 
+@pytest.mark.parametrize("name,value,refused", [
+    ("NCCL_NVLS_ENABLE", "00", True), ("NCCL_NVLS_ENABLE", " 0", True),
+    ("NCCL_NVLS_ENABLE", "false", True), ("NCCL_NVLS_ENABLE", "1", False),
+    ("NVSHMEM_DISABLE_NVLS", "true", True), ("NVSHMEM_DISABLE_NVLS", "yes", True),
+    ("NVSHMEM_DISABLE_NVLS", "2", True), ("NVSHMEM_DISABLE_NVLS", "0", False),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "True", True),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "off", False),
+])
+def test_multicast_switches_read_as_their_libraries_read_them(name, value, refused):
+    """An enable switch is off where it reads as 0 or false, a disable switch on where it
+    reads as anything else: each refuses the multicast mailbox."""
+    if refused:
+        with pytest.raises(RuntimeError, match=rf"{name}={value!r} disables NVLink multicast"):
+            refuse_multicast({name: value})
+    else:
+        refuse_multicast({name: value})
+
+
 def test_sentinel_is_negative_zero():
     assert np.array([SENTINEL], np.uint32).view(np.float32)[0] == 0.0
     assert np.signbit(np.array([SENTINEL], np.uint32).view(np.float32)[0])

@@ -180,6 +180,10 @@ def test_aot_without_a_library_and_bad_modes_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(native.LIBRARY_ENV, str(tmp_path / "missing.so"))
     with pytest.raises(FileNotFoundError, match="missing.so does not exist"):
         native.library()
+    monkeypatch.setenv(native.LIBRARY_ENV, str(tmp_path))
+    with pytest.raises(RuntimeError, match=rf"JAX_KIMIK3_LIBRARY={tmp_path} is not the kernel "
+                                           r"library \(python -m jax_kimik3.native_build"):
+        native.library()
     monkeypatch.setenv(backend.KERNELS_ENV, "ahead")
     with pytest.raises(ValueError, match=r"JAX_KIMIK3_KERNELS='ahead' must be one of"):
         backend.kernel_mode()
