@@ -276,15 +276,20 @@ class Mailbox:
         cu = self._cu
         size = self._buffers[0][1]
         handle = cu("cuMulticastCreate", self._multicast_prop(size))
+        bound = []  # the ordinals whose buffer is bound: unbound again on a failure
         try:
             for ordinal in self.ordinals:
                 cu("cuMulticastAddDevice", handle, cu("cuDeviceGet", ordinal))
             for (_, _, memory), ordinal in zip(self._buffers, self.ordinals):
                 cu("cuCtxSetCurrent", self._contexts[ordinal])
                 cu("cuMulticastBindMem", handle, 0, memory, 0, size, 0)
+                bound.append(ordinal)
             return self._map(handle, size), size, handle, self.ordinals
         except BaseException:
-            self._cu.cu.cuMemRelease(handle)
+            raw = self._cu.cu
+            for ordinal in bound:
+                raw.cuMulticastUnbind(handle, raw.cuDeviceGet(ordinal)[1], 0, size)
+            raw.cuMemRelease(handle)
             raise
 
     def _allocate(self, ordinal, kind=None):

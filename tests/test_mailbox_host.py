@@ -25,10 +25,13 @@ class FakeDriver:
     CUmemLocationType = types.SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
     CUmemAllocationGranularity_flags = types.SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_RECOMMENDED=1)
     CUmemAccess_flags = types.SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+    CUmemAllocationHandleType = types.SimpleNamespace(CU_MEM_HANDLE_TYPE_NONE=0)
+    CUmulticastGranularity_flags = types.SimpleNamespace(CU_MULTICAST_GRANULARITY_MINIMUM=0)
 
     def __init__(self, devices=8, fail_at=None):
         self.devices, self.fail_at, self.calls = devices, fail_at, []
         self.handles, self.ranges, self.mapped, self.contexts = set(), {}, set(), {}
+        self.bound = {}  # multicast handle → devices whose memory is bound to it
         self._next = 1
 
     @staticmethod
@@ -38,6 +41,10 @@ class FakeDriver:
     @staticmethod
     def CUmemAccessDesc():
         return types.SimpleNamespace(location=types.SimpleNamespace())
+
+    @staticmethod
+    def CUmulticastObjectProp():
+        return types.SimpleNamespace()
 
     def __getattr__(self, name):
         impl = getattr(self, "_" + name)
@@ -57,7 +64,8 @@ class FakeDriver:
         """What is still held: handles, address ranges, mappings, context references."""
         return {name: held for name, held in (
             ("handles", self.handles), ("ranges", set(self.ranges)), ("mapped", self.mapped),
-            ("contexts", {d: n for d, n in self.contexts.items() if n})) if held}
+            ("bound", {h: n for h, n in self.bound.items() if n}), ("contexts", {d: n for d, n in self.contexts.items() if n}))
+            if held}
 
     def _cuInit(self, flags): return ()
     def _cuDeviceGetCount(self, out=None): return (self.devices,)
@@ -102,6 +110,21 @@ class FakeDriver:
         self.mapped.remove(address)
         return ()
 
+    def _cuMulticastGetGranularity(self, prop, flags, out=None): return (1 << 21,)
+    def _cuMulticastAddDevice(self, handle, device): return ()
+
+    def _cuMulticastCreate(self, prop, out=None):
+        return self._cuMemCreate(prop.size, prop, 0)
+
+    def _cuMulticastBindMem(self, handle, offset, memory, memory_offset, size, flags):
+        assert handle in self.handles and memory in self.handles
+        self.bound[handle] = self.bound.get(handle, 0) + 1
+        return ()
+
+    def _cuMulticastUnbind(self, handle, device, offset, size):
+        self.bound[handle] -= 1
+        return ()
+
     def _cuMemsetD32(self, address, value, count):
         (ctypes.c_uint32 * count).from_address(address)[:] = [value] * count
         return ()
@@ -122,7 +145,7 @@ def driver(monkeypatch):
     return install
 
 
-ORDINALS = {"two devices": [0, 1], "virtual": [0, 0, 0, 0]}
+ORDINALS = {"two devices": [0, 1], "virtual": [0, 0, 0, 0], "multicast": [0, 1, 2, 3]}
 
 
 def poke(mailbox, rank, word, value):
@@ -130,17 +153,22 @@ def poke(mailbox, rank, word, value):
 
 
 @pytest.mark.parametrize("ordinals", ORDINALS.values(), ids=ORDINALS.keys())
-def test_a_failed_driver_call_leaks_nothing(driver, ordinals):
+def test_a_failed_driver_call_leaks_nothing(driver, monkeypatch, ordinals):
     """Every driver call of the construction, made to fail in turn: a RuntimeError names it,
-    and nothing it had allocated, mapped or retained is left."""
+    and nothing it had allocated, mapped, bound or retained is left. (The multicast object
+    is the stand-in's: no real one is made.)"""
+    multicast = len(set(ordinals)) == 4
+    for name in mailbox_module.MULTICAST_OFF:
+        monkeypatch.delenv(name, raising=False)
     fake = driver()
-    Mailbox(ordinals, MailboxLayout(len(ordinals))).close()
+    Mailbox(ordinals, MailboxLayout(len(ordinals)), multicast=multicast).close()
+    assert fake.leaks() == {}
     names = fake.calls[:len(fake.calls) - fake.calls[::-1].index("cuMemsetD32")]  # to the arm
     assert {"cuMemCreate", "cuMemMap", "cuDevicePrimaryCtxRetain"} <= set(names)
     for n, name in enumerate(names, 1):
         fake = driver(fail_at=n)
         with pytest.raises(RuntimeError, match=rf"CUDA driver call {name}\("):
-            Mailbox(ordinals, MailboxLayout(len(ordinals)))
+            Mailbox(ordinals, MailboxLayout(len(ordinals)), multicast=multicast)
         assert fake.leaks() == {}, (n, name)
 
 
