@@ -57,8 +57,8 @@ def kernel_sources() -> list[pathlib.Path]:
 
 
 def _code(source: str) -> str:
-    """`source` as its syntax tree without docstrings: comments, docstrings and layout do
-    not change what the DSL compiles, so they do not change the digest."""
+    """`source` as its syntax tree without docstrings: comments, docstrings, layout and the
+    Python version that parses it do not change what the DSL compiles, nor the digest."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
@@ -67,7 +67,19 @@ def _code(source: str) -> str:
                 and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree)
+    return _dump(tree)
+
+
+def _dump(node) -> str:
+    """A syntax tree as text without its None and empty fields: Python versions add such
+    fields (3.12 `type_params=[]`) or leave them out of `ast.dump` (3.13), and a library built
+    under one version must not look stale under another."""
+    if isinstance(node, ast.AST):
+        fields = ((name, _dump(getattr(node, name, None))) for name in node._fields)
+        return f"{type(node).__name__}({','.join(f'{n}={v}' for n, v in fields if v not in ('None', '[]'))})"
+    if isinstance(node, list):
+        return f"[{','.join(map(_dump, node))}]"
+    return repr(node)
 
 
 @functools.cache
