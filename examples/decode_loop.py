@@ -181,6 +181,8 @@ def start_distributed(args) -> int:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.export:  # the kernels' target, also on a host without a GPU (read by the DSL)
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     for flag, tp in (("--tp", args.tp), ("--virtual-tp", args.virtual_tp)):
         if tp and CFG.o_proj_in_features % tp:
             raise ValueError(f"{flag}={tp} must divide o_proj_in_features="
