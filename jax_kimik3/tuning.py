@@ -36,11 +36,12 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 #   2.5-4.8 µs ahead of fused (the groups had chosen fused there); at 3072 the producer kernel
 #   at B = 25-32 per rank in "Session 19" (2.7 µs ahead of XLA's dot at B = 32; level at B = 24
 #   and 48, 3 µs behind at 64). Past B = 16 per rank on an H100 in "Session 27", 2026-12-05,
-#   not yet on an H200: at 3072 split 1.7-2.3 µs ahead of XLA's dot at B = 17 and 24 (XLA's
-#   dot 1.5-5.1 µs ahead from B = 48); at 768 the producer kernel two-shot ahead at every B
-#   from 17 to 64: by 1.7-6.1 µs of XLA's dot two-shot, by 5.2-11.9 of the one-shot XLA's dot
-#   the table had at B = 17-48 (see TWO_SHOT_BATCHES). XLA's dot at K = 12288 (TP 1): "o_proj
-#   producer kernel vs XLA's dot".
+#   and on an H200 at B = 17, 32, 64 in "Session 29", 2026-12-06, the same choices: at 3072
+#   split ahead of XLA's dot at B = 17-32 (by 0.7-3.2 µs; at B = 32 two-shot), XLA's dot
+#   ahead from B = 48 (by 1.5-5.1 µs on the H100, 2.4 of two-shot at B = 64 on the H200); at
+#   768 the producer kernel two-shot ahead at every B from 17 to 64: by 1.7-6.1 µs of XLA's
+#   dot two-shot, by 4.9-11.9 of the one-shot XLA's dot the table had at B = 17-48 (see
+#   TWO_SHOT_BATCHES). XLA's dot at K = 12288 (TP 1): "o_proj producer kernel vs XLA's dot".
 TAIL_VARIANTS: dict[int, tuple[tuple[int, TailVariant], ...]] = {
     6144: ((16, "split"), (24, "xla"), (32, "split")),
     3072: ((32, "split"),),
@@ -62,8 +63,12 @@ def tail_variant(batch: int, k: int) -> TailVariant:
 # at B = 24, where the cost model's NVLink time (1.3 against 5.4 µs) decides, unmeasured on a
 # mesh; it loses at TP 2 ("Mailbox all-reduce on a real TP2 mesh"). One TP 16 rank on an H100
 # ("Session 27"): ahead of one-shot by 1.6-13.4 µs at B = 16-64, 0.3-1.5 µs behind at B = 1-8
-# (where the NVLink time, 0.5-3.8 µs one-shot against 0.1-0.5, would narrow or turn it).
-TWO_SHOT_BATCHES = {8: 24, 16: 16}
+# (where the NVLink time, 0.5-3.8 µs one-shot against 0.1-0.5, would narrow or turn it); on an
+# H200 ("Session 29") ahead by 2.1-10.0 µs at B = 17, 32, 64. One TP 4 rank: the split tail
+# two-shot ahead of one-shot at B = 32 on an H100 (2.0 µs, "Session 27") and an H200 (0.8,
+# "Session 29"), behind at B = 17-24 (1.0-1.9); on XLA's dot (B = 48-64) two-shot is 0.3-0.6 µs
+# behind, where the NVLink time (4.6-6.1 µs one-shot against 2.3-3.1) decides, as at TP 8.
+TWO_SHOT_BATCHES = {4: 32, 8: 24, 16: 16}
 
 
 def use_two_shot(batch: int, tp: int) -> bool:
