@@ -10,10 +10,10 @@
 # profile. Extra arguments go to pytest, e.g. -k lamport ($TESTS: its files, default tests/;
 # $TEST_WORKERS: xdist workers, default 8); $BENCH_ARGS to the benchmarks, e.g.
 # BENCH_ARGS="--parts tail". With several GPUs the mesh tests run and the all-reduce and layer
-# benchmarks use a real TP mesh. They need .device/cutedsl.tar.xz (made by
-# scripts/dsl_bundle.sh; README, "Test"). Results go
-# to $OUT (the benchmarks' tables, and details.tgz: every log); the last lines printed are a
-# short summary.
+# benchmarks use a real TP mesh. They need the CuTe DSL installed, or .device/cutedsl.tar.xz
+# (made by scripts/dsl_bundle.sh; README, "Test"), and pytest-xdist and pytest-timeout.
+# Results go to $OUT (default /tmp/out: the benchmarks' tables, and details.tgz: every log);
+# the last lines printed are a short summary.
 # The target aot (not in all) runs without the DSL: carry ["build/ffi"] (the kernel library,
 # python -m jax_kimik3.native_build) and not .device; JAX_KIMIK3_KERNELS=aot.
 set -uo pipefail
@@ -56,11 +56,17 @@ print(f'{l.path}: {len(l.register())} handlers registered, {l.arch}, DSL {l.dsl}
   targets=${targets//,aot,/,}
   if [[ $targets == "," ]]; then printf '%s\n' "${summary[@]}" | tee "$RESULTS/summary.txt"; exit 0; fi
 fi
-# Unpacked once per machine (a second run of this script, even alongside, finds it there).
-if [[ ! -f /tmp/site/.unpacked ]]; then
-  mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site && touch /tmp/site/.unpacked || exit 1
+# The CuTe DSL: installed (pip install -e ".[test,cuda13]"), or from the bundle, unpacked once
+# per machine (a second run of this script, even alongside, finds it there).
+if python3 -c "import cutlass" 2>/dev/null; then
+  export PYTHONPATH=$PWD
+else
+  if [[ ! -f /tmp/site/.unpacked ]]; then
+    mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site && touch /tmp/site/.unpacked || {
+      echo "the CuTe DSL is neither installed nor in .device/cutedsl.tar.xz (scripts/dsl_bundle.sh)"; exit 1; }
+  fi
+  export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 fi
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 if wants tests; then
   # The multi-process tests start their own GPU processes: the target processes runs them alone.
   python3 -m pytest -m gpu -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" --timeout=600 --maxfail=30 \
