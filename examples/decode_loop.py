@@ -185,9 +185,8 @@ def main(argv=None):
     if args.export:  # the kernels' target, also on a host without a GPU (read by the DSL)
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     for flag, tp in (("--tp", args.tp), ("--virtual-tp", args.virtual_tp)):
-        if tp and CFG.o_proj_in_features % tp:
-            raise ValueError(f"{flag}={tp} must divide o_proj_in_features="
-                             f"{CFG.o_proj_in_features} (o_proj's K, split over the ranks)")
+        if tp:
+            CFG.o_proj_local_features(tp, flag)  # a ValueError naming the flag unless TP divides K
     processes = start_distributed(args)
     # Host devices for a CPU mesh, this process's share of it (read when the CPU backend
     # starts, which jax.distributed.initialize does not do; GPUs ignore it).

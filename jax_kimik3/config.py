@@ -77,11 +77,12 @@ class KimiK3Config:
         """Saved blocks after the last layer: ceil(num_layers / attn_res_block_size)."""
         return math.ceil(self.num_layers / self.attn_res_block_size)
 
-    def o_proj_local_features(self, tp: int) -> int:
-        """K of one rank's o_proj shard at tensor parallelism `tp`."""
-        check_int("tp", tp, 1)
+    def o_proj_local_features(self, tp: int, name: str = "tp") -> int:
+        """K of one rank's o_proj shard at tensor parallelism `tp` (the argument `name`)."""
+        check_int(name, tp, 1)
         if self.o_proj_in_features % tp:
-            raise ValueError(f"tp={tp} must divide o_proj_in_features={self.o_proj_in_features}")
+            raise ValueError(f"{name}={tp} must divide o_proj_in_features="
+                             f"{self.o_proj_in_features}")
         return self.o_proj_in_features // tp
 
     def layer(self, index: int) -> LayerPlan:

@@ -30,8 +30,8 @@ DATA_AXIS = "dp"  # a mesh ("dp", "tp"): each data-parallel group its own rows a
 
 def check_virtual_tp(virtual_tp):
     """None, or a TP that splits o_proj's K into whole shards."""
-    if virtual_tp is not None and K % check_int("virtual_tp", virtual_tp, 1):
-        raise ValueError(f"virtual_tp={virtual_tp} must divide o_proj_in_features={K}")
+    if virtual_tp is not None:
+        KIMI_K3.o_proj_local_features(virtual_tp, "virtual_tp")
     return virtual_tp
 
 

@@ -76,7 +76,8 @@ def _dump(node) -> str:
     under one version must not look stale under another."""
     if isinstance(node, ast.AST):
         fields = ((name, _dump(getattr(node, name, None))) for name in node._fields)
-        return f"{type(node).__name__}({','.join(f'{n}={v}' for n, v in fields if v not in ('None', '[]'))})"
+        shown = ",".join(f"{name}={text}" for name, text in fields if text not in ("None", "[]"))
+        return f"{type(node).__name__}({shown})"
     if isinstance(node, list):
         return f"[{','.join(map(_dump, node))}]"
     return repr(node)
