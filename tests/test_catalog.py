@@ -54,6 +54,29 @@ def test_decode_steps_call_only_catalog_kernels(catalog_calls, tp):
     assert made and made <= set(catalog_calls), sorted(made - set(catalog_calls))
 
 
+def test_pre_attention_with_statistics_at_every_layer_is_in_the_catalog(catalog_calls):
+    """A loop of its own that passes statistics at every pre-attention, layer 0's (of no saved
+    block) too, where the canonical step passes none, finds each call in the library."""
+    s = jax.ShapeDtypeStruct
+    b = jax.export.symbolic_shape("b", constraints=(f"b <= {k3.KIMI_K3.mailbox_capacity}",))[0]
+    rows, f32 = s((b, H), jnp.bfloat16), s((b, H), jnp.float32)
+    vector = s((H,), jnp.bfloat16)
+    made = set()
+    with backend.kernel_mode_set("jit"), launch.recording(lambda c, fn, i: made.add(c.name)):
+        for layer in range(LAYERS):
+            tail = k3.AttentionTail(k3.KIMI_K3.layer(layer), backend="kernel")
+            site = tail.plan.pre_attention
+
+            def pre_attention(prefix, blocks, g, w, o, delta, mixture, scal, tail=tail, site=site):
+                stats = k3.AttnResStatistics(mixture, scal, site.num_blocks)
+                return tail.pre_attention(k3.AttnResWeights(g, w, o), prefix, blocks,
+                                          delta if site.has_delta else None, stats)
+
+            jax.make_jaxpr(pre_attention)(rows, s((b, NB, H), jnp.bfloat16), vector, vector,
+                                          vector, rows, f32, s((b, 2), jnp.float32))
+    assert made and made <= set(catalog_calls), sorted(made - set(catalog_calls))
+
+
 def test_batch_read_at_run_time_is_traced_symbolic(catalog_calls):
     """A call whose kernel reads the batch at run time is first traced at a symbolic batch
     (the library compiles that trace: one object for every batch); only the fused tail,

@@ -10,8 +10,9 @@ Per TP in `tps` (default TP_VALUES) and the first `num_layers` layers:
    by construction. Symbolic regions come first: a call seen at both keeps its symbolic
    trace, which is what the library compiles;
 2. what the step does not reach at that layer count: the final AttnRes after fewer layers
-   (with and without statistics), the statistics kernel of every K >= 1, the one-shot
-   mailbox all-reduce (`all_reduce`).
+   (with and without statistics), layer 0's pre-attention with statistics (of no saved block:
+   the step passes none there, a loop that passes them at every layer does), the statistics
+   kernel of every K >= 1, the one-shot mailbox all-reduce (`all_reduce`).
 The mailbox is MailboxSpec(MailboxLayout(tp)) with the default timeout. Not included (JIT
 only): the two-shot all-reduce, tails of several ranks per launch (virtual TP), multicast
 mailboxes, other eps or timeouts, `into=` buffers.
@@ -28,7 +29,7 @@ from jax.sharding import AbstractMesh
 from jax_kimik3 import decode, tuning
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels import attn_res_ops, lamport_ops, oproj
-from jax_kimik3.layer import AttnResWeights, final_attn_res
+from jax_kimik3.layer import AttentionTail, AttnResWeights, final_attn_res
 from jax_kimik3.layout import MailboxLayout, MailboxSpec
 from jax_kimik3.statistics import AttnResStatistics
 
@@ -82,6 +83,13 @@ def _final(num_layers, precomputed):
     return call
 
 
+def _first_pre_attention(prefix, blocks, g, w, o, mixture, scal):
+    plan = KIMI_K3.layer(0)
+    stats = AttnResStatistics(mixture, scal, plan.pre_attention.num_blocks)
+    return AttentionTail(plan, backend="kernel").pre_attention(
+        AttnResWeights(g, w, o), prefix, blocks, stats=stats)
+
+
 def _statistics(num_blocks):
     def call(blocks, g, w):
         return attn_res_ops.attn_res_statistics(blocks, g, w, num_blocks=num_blocks, eps=EPS)
@@ -119,6 +127,7 @@ def decode_calls(tps=TP_VALUES, num_layers=KIMI_K3.num_layers) -> Iterator[Entry
         for precomputed in (False, True):
             yield (f"final after {n} layers, stats={precomputed}", _final(n, precomputed),
                    rows + f32)
+    yield ("layer 0's pre-attention, stats=True", _first_pre_attention, rows[:-1] + f32)
     for num_blocks in range(1, KIMI_K3.final(num_layers).num_blocks + 1):
         yield (f"statistics K={num_blocks}", _statistics(num_blocks),
                (_shape(b, NB, H), _shape(H), _shape(H)))
