@@ -59,7 +59,7 @@ fi
 # The CuTe DSL: installed (pip install -e ".[test,cuda13]"), or from the bundle, unpacked once
 # per machine (a second run of this script, even alongside, finds it there).
 if python3 -c "import cutlass" 2>/dev/null; then
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # keep a DSL found through it
 else
   if [[ ! -f /tmp/site/.unpacked ]]; then
     mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site && touch /tmp/site/.unpacked || {
