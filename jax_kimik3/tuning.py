@@ -26,11 +26,11 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 #   "Session 19" (two row groups per producer CTA from B = 25: 3.1-4.6 µs ahead of the best
 #   tail on XLA's dot at B = 24, 32, 48, 64).
 # 6144 (TP 2): per rank in "Session 26", 2026-12-05: split 3.0-3.2 µs ahead of fused at B = 9
-#   and 16 (fused had been chosen there in "Session 7"; an H100 agreed in "Sessions 24-25");
-#   at B = 17-24 the producer runs three B tiles in two waves (72 registers) and XLA's dot
-#   wins at B = 17 (fused was 2.1 µs ahead of it at B = 24 but 1.1 behind at B = 17); split
-#   1.2-1.5 µs ahead of fused and 1.5-1.7 of xla at B = 32. Fused is in no entry:
-#   `oproj_attn_res(variant="fused")` asks for it.
+#   and 16 (fused had been chosen there in "Session 7"; an H100 agreed in "Sessions 24-25").
+#   With the staged producer ("Session 31", 2026-12-06, H200) split is ahead of XLA's dot by
+#   4.5 µs at B = 17 and 24 (XLA's dot had won at B = 17 against the streamed producer's
+#   three B tiles in two waves) and 1.3 at B = 48; XLA's dot by 0.5 at B = 64. Fused is in no
+#   entry: `oproj_attn_res(variant="fused")` asks for it.
 # 3072 and 768 (TP 4, 16): whole virtual-TP groups, "Tail variants" and "Session 4", 2026-11-29
 #   (the producer kernel to B = 16); per rank at B = 1, 2, 4 in "Session 22", where split is
 #   2.5-4.8 µs ahead of fused (the groups had chosen fused there); at 3072 the producer kernel
@@ -41,10 +41,12 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 #   ahead from B = 48 (by 1.5-5.1 µs on the H100, 2.4 of two-shot at B = 64 on the H200); at
 #   768 the producer kernel two-shot ahead at every B from 17 to 64: by 1.7-6.1 µs of XLA's
 #   dot two-shot, by 4.9-11.9 of the one-shot XLA's dot the table had at B = 17-48 (see
-#   TWO_SHOT_BATCHES). XLA's dot at K = 12288 (TP 1): "o_proj producer kernel vs XLA's dot".
+#   TWO_SHOT_BATCHES). With the staged producer ("Session 31") split two-shot at 3072 is
+#   ahead of XLA's dot two-shot at B = 48 and 64 by 3.3 and 4.1 µs. XLA's dot at K = 12288
+#   (TP 1): "o_proj producer kernel vs XLA's dot".
 TAIL_VARIANTS: dict[int, tuple[tuple[int, TailVariant], ...]] = {
-    6144: ((16, "split"), (24, "xla"), (32, "split")),
-    3072: ((32, "split"),),
+    6144: ((48, "split"),),
+    3072: ((64, "split"),),
     1536: ((64, "split"),),
     768: ((64, "split"),),
 }
@@ -66,8 +68,9 @@ def tail_variant(batch: int, k: int) -> TailVariant:
 # (where the NVLink time, 0.5-3.8 µs one-shot against 0.1-0.5, would narrow or turn it); on an
 # H200 ("Session 29") ahead by 2.1-10.0 µs at B = 17, 32, 64. One TP 4 rank: the split tail
 # two-shot ahead of one-shot at B = 32 on an H100 (2.0 µs, "Session 27") and an H200 (0.8,
-# "Session 29"), behind at B = 17-24 (1.0-1.9); on XLA's dot (B = 48-64) two-shot is 0.3-0.6 µs
-# behind, where the NVLink time (4.6-6.1 µs one-shot against 2.3-3.1) decides, as at TP 8.
+# "Session 29"), behind at B = 17-24 (1.0-1.9); at B = 48-64 two-shot is 0.3-0.6 µs behind on
+# XLA's dot, and 0.7-2.1 behind with the staged producer ("Session 31"), where the NVLink time
+# (4.6-6.1 µs one-shot against 2.3-3.1) decides, as at TP 8.
 TWO_SHOT_BATCHES = {4: 32, 8: 24, 16: 16}
 
 

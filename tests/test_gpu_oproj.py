@@ -117,8 +117,8 @@ def test_tail_matches_model(rng, tp, b, layer):
 @pytest.mark.parametrize("tp", [2, 8, 16])
 def test_producer_tail_past_the_table(rng, tp, b, two_shot):
     """The producer kernel's tail (variant "split") at B the table gives to XLA's dot at some
-    TP: the producer at three, five and eight B tiles (one and two row groups per CTA),
-    publishing one-shot and two-shot."""
+    TP: the staged producer at three, five and eight B tiles, publishing one-shot and
+    two-shot."""
     with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
         check_tail_virtual(rng, mailbox, b, 92, "split", two_shot=two_shot)
         assert mailbox.unarmed() == 0
@@ -204,12 +204,12 @@ def test_two_shot_tail_matches_model(rng, tp, b, layer):
 
 @pytest.mark.parametrize("variant", ["split", "xla", "fused"])
 def test_public_variant_matches_model(rng, variant):
-    """oproj_attn_res_virtual(variant=...) at TP 2, B = 12 (the table: split) and B = 20
+    """oproj_attn_res_virtual(variant=...) at TP 2, B = 12 (the table: split) and B = 56
     (xla): bitwise-identical ranks within bf16 of the float64 model, every slot re-armed."""
     tp, site = 2, KIMI_K3.layer(46).post_attention
     w = weight()
     with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
-        for b in (12, 20):
+        for b in (12, 56):
             inp = attn_res_inputs(rng, b, NB)
             x = oproj_inputs(rng, b)[0]
             out, prefix, _ = map(np.asarray, k3.oproj_attn_res_virtual(

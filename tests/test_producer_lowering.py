@@ -64,19 +64,28 @@ def test_one_producer_per_b_tile_count(b, tiles):
             variants.tiles(bad)
 
 
-def test_ptx_streams_weights_into_mma(tmp_path):
-    """Tensor-core mma.sync on bf16, weights through 16-byte streaming loads, rows through
-    16-byte (weak: an ordinary output) stores."""
+@pytest.mark.parametrize("k,b", [(1536, 8), (1536, 9), (3072, 1)],
+                         ids=["streamed", "staged", "staged_long_k"])
+def test_ptx_feeds_weights_into_mma(tmp_path, k, b):
+    """Tensor-core mma.sync on bf16, rows out through 16-byte (weak: an ordinary output)
+    stores; streamed, the weights go into registers through 16-byte streaming loads, staged
+    (producer.is_staged) both operands through shared memory (cp.async, 16 bytes)."""
+    from jax_kimik3.kernels.producer import is_staged
+
     ptx = kept_ptx(f"""
         import jax, jax.numpy as jnp
         from jax_kimik3.kernels import producer_ops as producer
         s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-        jax.jit(producer.project).trace(s(64, 1536), s({H}, 1536)).lower(
+        jax.jit(producer.project).trace(s({b}, {k}), s({H}, {k})).lower(
             lowering_platforms=("cuda",))
     """, tmp_path)
+    staged = is_staged(variants.tiles(b), k)
+    assert staged == (b > 8 or k > 1536)
     assert ".target sm_90a" in ptx
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
-    assert "ld.global.nc.L1::no_allocate.L2::256B.v4.u32" in ptx
+    assert ("ld.global.nc.L1::no_allocate.L2::256B.v4.u32" in ptx) == (not staged)
+    assert ("cp.async.cg.shared.global" in ptx) == staged
+    assert ("ld.shared.v4.u32" in ptx) == staged
     assert "st.global.v4.b32" in ptx
 
 
@@ -99,16 +108,16 @@ def test_two_shot_tail_adds_the_owner(tmp_path, two_shot):
 
 
 @pytest.mark.parametrize("tp, tiles, publish", [
-    (8, 1, None), (8, 1, "one_shot"), (8, 2, None), (8, 2, "one_shot"), (8, 2, "two_shot"),
-    (8, 8, None), (8, 8, "one_shot"), (4, 1, "one_shot"), (4, 2, "one_shot"), (16, 1, None),
-    (16, 2, None), (16, 2, "one_shot")])
-def test_register_budget_only_at_its_tile_counts(tmp_path, tp, tiles, publish):
-    """The producer's launch carries the register budget (.minnctapersm) of
-    geometry.PRODUCER_BUDGETS at its (K, B tiles), the plain product's or the one-shot
-    publish's, none when it publishes two-shot; with two row groups per CTA (from
-    PRODUCER_GROUPED_TILES) the one that keeps its CTAs in one wave; none elsewhere."""
-    from jax_kimik3.kernels.geometry import (PRODUCER_BUDGETS, PRODUCER_GROUPED_CTAS_PER_SM,
-                                             PRODUCER_GROUPED_TILES)
+    (8, 1, None), (8, 1, "one_shot"), (8, 1, "two_shot"), (8, 2, None), (8, 2, "one_shot"),
+    (8, 8, None), (8, 8, "one_shot"), (16, 1, None), (16, 1, "one_shot"), (4, 1, None),
+    (4, 1, "one_shot"), (16, 2, "one_shot")])
+def test_register_budget_only_streamed_at_one_tile(tmp_path, tp, tiles, publish):
+    """The producer's launch carries geometry.PRODUCER_BUDGETS' register budget
+    (.minnctapersm) for its K where it streams one B tile, the plain product's or the one-shot
+    publish's, none when it publishes two-shot; none staged (shared memory holds it to one CTA
+    per SM) or elsewhere."""
+    from jax_kimik3.kernels.geometry import PRODUCER_BUDGETS
+    from jax_kimik3.kernels.producer import is_staged
 
     k, b = K_TOTAL // tp, 8 * tiles
     if publish is None:
@@ -127,27 +136,26 @@ def test_register_budget_only_at_its_tile_counts(tmp_path, tp, tiles, publish):
     head = ptx[ptx.index(producer_entry):]
     head = head[:head.index("{")]
     budgets = re.findall(r"\.minnctapersm (\d+)", head)
-    plain, one_shot = PRODUCER_BUDGETS.get((k, tiles), (None, None))
+    plain, one_shot = PRODUCER_BUDGETS.get(k, (None, None))
     budget = plain if publish is None else one_shot
-    if budget is not None and publish != "two_shot":
-        wanted = [str(budget)]
-    elif tiles >= PRODUCER_GROUPED_TILES:
-        wanted = [str(PRODUCER_GROUPED_CTAS_PER_SM)]
-    else:
-        wanted = []
-    assert budgets == wanted
+    streamed_budget = not is_staged(tiles, k) and publish != "two_shot" and budget is not None
+    assert budgets == ([str(budget)] if streamed_budget else [])
+    assert streamed_budget == (tiles == 1 and tp in (8, 16) and publish != "two_shot")
 
 
 @pytest.mark.parametrize("tiles", range(1, 9))
-def test_row_groups_share_x_from_many_tiles(tiles):
-    """From PRODUCER_GROUPED_TILES B tiles a CTA takes two 16-row groups: half the CTAs, each
-    x load feeding both."""
-    from jax_kimik3.kernels.geometry import PRODUCER_GROUPED_TILES
-    from jax_kimik3.kernels.producer import row_groups
+@pytest.mark.parametrize("k", [768, 1536, 3072, 6144, 12288])
+def test_staged_producer_owns_64_rows(tiles, k):
+    """Staged (from geometry.STAGED_TILES[K] B tiles, else from one), a CTA owns 64 rows of
+    w (112 CTAs per rank) and its shared memory holds 4 chunk buffers of its rows of w and of
+    x; streamed, 16 rows (448 CTAs)."""
+    from jax_kimik3.kernels.geometry import STAGED_TILES
+    from jax_kimik3.kernels.producer import is_staged
 
-    groups = row_groups(tiles)
-    assert groups == (2 if tiles >= PRODUCER_GROUPED_TILES else 1)
-    producer = OprojProducer(tiles, K_TOTAL // 8, H, None, groups=groups)
-    assert producer.ctas_per_rank == H // (16 * groups)
-    with pytest.raises(ValueError, match="N=7160 of 32"):
-        OprojProducer(tiles, K_TOTAL // 8, H - 8, None, groups=2)
+    staged = is_staged(tiles, k)
+    assert staged == (tiles >= STAGED_TILES.get(k, 1))
+    producer = OprojProducer(tiles, k, H, None, staged=staged)
+    assert producer.ctas_per_rank == (112 if staged else 448)
+    assert producer.smem_bytes >= (4 * (64 + 8 * tiles) * 128 * 2 if staged else 0)
+    with pytest.raises(ValueError, match="N=7160 of 64"):
+        OprojProducer(tiles, k, H - 8, None, staged=True)

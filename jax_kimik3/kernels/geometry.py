@@ -11,29 +11,39 @@ THREADS = KIMI_K3.hidden_size // (CLUSTER * VECTOR)  # 128 per AttnRes CTA, a ve
 ROWS = 16  # rows of w per o_proj producer CTA: the mma's M
 TOKENS = 8  # tokens per producer B tile: the mma's N
 PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
-# The o_proj producer's register budgets (.minnctapersm: CTAs per SM) by (K, B tile count):
-# (plain product, one-shot publish); None or absent: none, and none when it publishes
-# two-shot. The budget decides how many weight loads ptxas issues ahead of their mma (K =
-# 1536, one tile: 3 of a lane's 12 with none, at 40 registers; 8 with 4, at 64; 5 with 5, at
-# 48). The plain product takes 4. The one-shot publish takes 5: an SM that holds three
-# producer CTAs then still has room for one CTA of the tail's next kernel (AttnRes, a
-# dependent launch, 128 threads of 122-162 registers), which at 4 starts only as producer CTAs
-# retire. Measured on the H200 (benchmarks/RESULTS.md, session 22), µs at B = 1 / 8 / 16,
-# without → with:
-# - K = 1536: plain kernel 7.70 / 8.47 / 8.69 → 7.40 / 7.60 / 8.69; one TP8 rank's split tail
-#   12.85 / 12.95 / 14.35 → 12.58 / 12.86 / 14.25 (B = 16: against 4, the budget before);
-# - K = 3072, one tile: plain 13.47 / 14.36 → 13.32 / 13.88, tail 18.42 / 18.70 → 17.35 /
-#   17.80 (at two tiles 5 made the tail 4.2 µs slower and 4 the kernel 0.9);
-# - K = 768: plain 4.63 / 4.97 → 4.38 / 4.60 (at two tiles 0.2 slower), tail 12.35 / 12.53 /
-#   14.91 → 12.41 / 12.38 / 14.73.
-PRODUCER_BUDGETS = {(768, 1): (4, 5), (768, 2): (None, 5), (1536, 1): (4, 5),
-                    (1536, 2): (4, 5), (3072, 1): (4, 5)}
-# B tiles from which a producer CTA takes two 16-row groups of w (224 CTAs per rank), so that
-# each x load, which every CTA makes from L2, feeds twice the rows. With it, one TP8 rank's
-# two-shot tail: B = 32 17.8 µs against 21.1, B = 64 23.3 against 26.1 (same call). Its
-# register budget: two CTAs per SM (<= 128 registers; 138 without), all 224 in one wave.
-PRODUCER_GROUPED_TILES = 4
-PRODUCER_GROUPED_CTAS_PER_SM = 2
+# The o_proj producer stages its operands through shared memory (cp.async): a CTA takes
+# STAGED_GROUPS 16-row groups of w (64 rows, so each x element crosses L2 once per 64 rows of
+# w) and copies each STAGED_CHUNK-wide k chunk of its w rows and of x into one of
+# STAGED_STAGES shared buffers while its warps multiply an earlier one, each warp one group
+# over half of each chunk's k. It does so at every K from STAGED_TILES[K] B tiles (absent:
+# from one); below, each warp streams w into registers over K / 8 and reads x through L1,
+# as the fused tail's producer does at every B. Measured on the H200 (benchmarks/RESULTS.md,
+# session 31), plain kernel µs staged against streamed:
+# - B = 1 / 8 / 16: K = 768 4.64 / 4.59 / 4.80 against 4.41 / 4.61 / 5.23, K = 1536 7.59 /
+#   7.22 / 7.33 against 7.42 / 7.61 / 8.74, K = 3072 12.83 / 12.64 / 13.04 against 13.41 /
+#   14.06 / 15.43, K = 6144 23.26 / 23.14 / 23.90 against 23.78 / 26.26 / 27.33; one TP8
+#   rank's split tail at B = 1 / 8 / 16: 12.51 / 12.68 / 13.38 against 12.16 / 12.70 / 13.99
+#   (one TP16 rank's: 11.75 / 11.96 / 13.05 against 11.84 / 12.31 / 13.79). So one B tile
+#   streams at K <= 1536, where B = 1 is faster streamed and B = 8 level.
+# - B = 32 / 64 (against two streamed row groups per CTA): K = 1536 8.31 / 10.44 against
+#   9.37 / 12.07, K = 6144 25.55 / 32.16 against 30.15 / 40.62; one TP8 rank's two-shot tail
+#   16.93 / 21.48 against 17.61 / 23.28.
+STAGED_TILES = {768: 2, 1536: 2}
+STAGED_GROUPS = 4
+STAGED_CHUNK = 128
+STAGED_STAGES = 4
+# The streamed producer's register budgets (.minnctapersm: CTAs per SM) at one B tile by K:
+# (plain product, one-shot publish); none when it publishes two-shot. The budget decides how
+# many weight loads ptxas issues ahead of their mma (K = 1536: 3 of a lane's 12 with none, at
+# 40 registers; 8 with 4, at 64; 5 with 5, at 48). The plain product takes 4. The one-shot
+# publish takes 5: an SM that holds three producer CTAs then still has room for one CTA of
+# the tail's next kernel (AttnRes, a dependent launch, 128 threads of 122-162 registers),
+# which at 4 starts only as producer CTAs retire. Measured on the H200 (benchmarks/RESULTS.md,
+# session 22), µs at B = 1 / 8, without → with:
+# - K = 1536: plain kernel 7.70 / 8.47 → 7.40 / 7.60; one TP8 rank's split tail 12.85 / 12.95
+#   → 12.58 / 12.86;
+# - K = 768: plain 4.63 / 4.97 → 4.38 / 4.60, tail 12.35 / 12.53 → 12.41 / 12.38.
+PRODUCER_BUDGETS = {768: (4, 5), 1536: (4, 5)}
 FUSED_CTAS_PER_SM = 4  # the fused tail's register cap (.minnctapersm): <= 64 registers
 FUSED_POLLS_AHEAD = 1  # slots past the one it checks that the fused tail polls ahead (all: spills)
 # Rows per rank up to which a tail's AttnRes kernel holds its inputs in registers across the poll

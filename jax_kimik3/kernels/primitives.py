@@ -298,6 +298,39 @@ def stream_words(address: Int64, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def copy_to_shared(shared: Int32, address: Int64, *, loc=None, ip=None):
+    """`cp.async.cg` of 16 read-only bytes at global `address` into shared address `shared`,
+    through L2 only (not L1). The copy is asynchronous: it lands once `wait_for_copies` says
+    its commit group has, and other threads see it only after a CTA barrier."""
+    _asm(None, [Int32(shared).ir_value(loc=loc, ip=ip), Int64(address).ir_value(loc=loc, ip=ip)],
+         "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def commit_copies(*, loc=None, ip=None):
+    """`cp.async.commit_group`: this thread's copies since the last commit form one group (an
+    empty group if there were none)."""
+    _asm(None, [], "cp.async.commit_group;", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wait_for_copies(pending: cutlass.Constexpr[int], *, loc=None, ip=None):
+    """`cp.async.wait_group`: every commit group of this thread but the `pending` newest has
+    landed in shared memory."""
+    _asm(None, [], f"cp.async.wait_group {pending};", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_shared_words(shared: Int32, *, loc=None, ip=None):
+    """16 bytes at shared address `shared` as four Uint32 (`ld.shared.v4`; has side effects
+    so that it stays after the CTA barrier that publishes the copies it reads)."""
+    out = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int32(shared).ir_value(loc=loc, ip=ip)],
+               "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", effects=True,
+               loc=loc, ip=ip)
+    return [Uint32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
 def mma_bf16(a, b, c, *, loc=None, ip=None):
     """One warp-wide `mma.sync.m16n8k16` (bf16 in, fp32 accumulate): D = A·B + C with this
     lane's fragments a (4 words), b (2 words), c (4 fp32); returns D's 4 fp32."""

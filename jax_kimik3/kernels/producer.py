@@ -1,27 +1,29 @@
 """The o_proj producer (sm_90a): R ranks' rows bf16(x @ w.T), ending in the Lamport publish.
 
 x [R, B, K] bf16 (B <= 64, read at run time; compiled per B tile count), w [R, N, K] bf16 with
-N = 7168: weight streaming,
-so the kernel's job is to read w once at read bandwidth. One CTA owns G groups of 16 rows of
-one rank's w (R·N/(16·G) CTAs; G = 1: 448 per rank); its WARPS warps split K and each runs
-`mma.sync.m16n8k16` with a group's 16 rows as A and x as B, one 8-column B tile per 8 tokens:
+N = 7168: weight streaming, so the kernel's job is to read w once at read bandwidth. Warps
+run `mma.sync.m16n8k16` with 16 rows of w as A and x as B, one 8-column B tile per 8 tokens:
 - any bijection of k is a valid reduction order, as long as A and B use the same one, so lane
-  (g, t) (g = lane / 4, t = lane % 4) loads 16 contiguous bytes of rows g and g + 8 of w and of
+  (g, t) (g = lane / 4, t = lane % 4) takes 16 contiguous bytes of rows g and g + 8 of w and of
   token row g of x at k = 8t, and feeds the first 8 bytes of each to one mma and the last 8 to
   the next: every load is a full 16-byte vector, 64 contiguous bytes per row per 4 lanes;
-- every CTA reads all of x from L2, so at many B tiles (geometry.PRODUCER_GROUPED_TILES) a
-  CTA takes G = 2 groups and each x load feeds both: half the L2 traffic of x;
-- a lane's accumulator (n0 + g [+8], token 8j + 2t [+1]) goes to shared memory; the warps'
-  partial sums are added in warp order (deterministic), rounded to bf16, and leave as 16-byte
+- staged (`is_staged`: geometry.STAGED_TILES): one CTA owns 4 groups of 16 rows (112 CTAs per
+  rank) and copies (cp.async) each 128-wide k chunk of its rows of w and of x into one of
+  4 shared buffers while its warps multiply an earlier chunk; warp (q, p) multiplies group q
+  over half p of each chunk's k. Every x element crosses L2 once per 64 rows of w, and the
+  copies in flight, not registers, hide the memory latency;
+- streamed (one B tile at K <= 1536, and the fused tail's producer): one CTA owns 16 rows
+  (448 CTAs per rank); each warp streams w into registers over K / 8 and reads x through L1.
+  The launch has a register budget (.minnctapersm, geometry.PRODUCER_BUDGETS) by K, one for
+  the plain product (more weight loads in flight) and one for the one-shot publish (room
+  beside it for the tail's next kernel), none where it publishes two-shot;
+- a lane's accumulators (row g [+8], token 8j + 2t [+1]) go to shared memory; the k parts'
+  partial sums are added in part order (deterministic), rounded to bf16, and leave as 16-byte
   vectors: into a plain [B, N] output, or published into the mailbox (lamport.publish_words)
   at the buffer of the rank's call, read from its control words before the GEMM (so the read
   hides under the weight stream); nothing is published on a failed mailbox. A publishing
   producer lets the call's next kernel launch at once (`griddepcontrol.launch_dependents`,
   kernels/tail.py); only its threads that publish run the release fence.
-At the (K, B tile count) pairs of geometry.PRODUCER_BUDGETS the launch has a register budget
-(.minnctapersm), one for the plain product (more weight loads in flight) and one for the
-one-shot publish (room beside it for the tail's next kernel), none where it publishes
-two-shot; with two groups, one that keeps every CTA in one wave.
 Token rows past B read row B - 1 (no branch in the loop) and are never stored.
 """
 
@@ -35,13 +37,15 @@ from cutlass import Float32, Int32, Int64
 
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.geometry import PRODUCER_WARPS as WARPS
-from jax_kimik3.kernels.geometry import (PRODUCER_BUDGETS, PRODUCER_GROUPED_CTAS_PER_SM,
-                                         PRODUCER_GROUPED_TILES, ROWS, TOKENS, VECTOR,
+from jax_kimik3.kernels.geometry import (PRODUCER_BUDGETS, ROWS, STAGED_CHUNK, STAGED_GROUPS,
+                                         STAGED_STAGES, STAGED_TILES, TOKENS, VECTOR,
                                          VECTOR_BYTES, WARP)
 from jax_kimik3.kernels.lamport import publish_words
-from jax_kimik3.kernels.primitives import (call_of, f32_to_words, fence_system,
-                                           let_next_launch, load_words, mma_bf16, stream_words,
-                                           store_words, without_negative_zero)
+from jax_kimik3.kernels.primitives import (call_of, commit_copies, copy_to_shared,
+                                           f32_to_words, fence_system, let_next_launch,
+                                           load_shared_words, load_words, mma_bf16,
+                                           stream_words, store_words, wait_for_copies,
+                                           without_negative_zero)
 from jax_kimik3.kernels.variants import Publish
 
 STEP = 4 * VECTOR  # k per warp step: 4 lanes x 16 bytes, two mma k-blocks
@@ -54,35 +58,47 @@ class OprojProducer:
     rows out ([B, N], R = 1) or published."""
 
     def __init__(self, tiles: int, k: int, n: int, publish: Publish | None, ranks: int = 1,
-                 groups: int = 1):
-        if k % (WARPS * STEP) or n % (ROWS * groups) or not 1 <= tiles <= MAX_BATCH // TOKENS:
-            raise ValueError(f"o_proj producer: K={k} must be a multiple of {WARPS * STEP}, "
+                 staged: bool = False):
+        groups = STAGED_GROUPS if staged else 1
+        chunk = STAGED_CHUNK if staged else WARPS * STEP
+        if k % chunk or n % (ROWS * groups) or not 1 <= tiles <= MAX_BATCH // TOKENS:
+            raise ValueError(f"o_proj producer: K={k} must be a multiple of {chunk}, "
                              f"N={n} of {ROWS * groups}, and tiles={tiles} in "
                              f"[1, {MAX_BATCH // TOKENS}]")
         if publish is None and ranks != 1:
             raise ValueError(f"o_proj producer: ranks={ranks} without a publish; one rank "
                              "writes a plain output")
         self.tiles, self.k, self.n, self.publish, self.ranks = tiles, k, n, publish, ranks
-        self.groups = groups  # 16-row groups of w per CTA, sharing each x load
+        self.staged = staged  # operands through shared memory
+        self.groups = groups  # 16-row groups of w per CTA
+        self.kparts = WARPS // groups  # warps over one group's rows, each over part of k
 
     @property
     def smem_bytes(self) -> int:
-        """Each warp's accumulators, then the CTA's [tiles·8, 16·groups] fp32 tile."""
-        return 4 * (WARPS + 1) * self.tiles * TOKENS * ROWS * self.groups + 64
+        """Staged: the chunk buffers; then each k part's accumulators and the CTA's
+        [tiles·8, 16·groups] fp32 tile."""
+        values = 4 * self.tiles * self.groups
+        tile = 4 * (self.kparts + 1) * values * WARP + 64
+        if not self.staged:
+            return tile
+        return STAGED_STAGES * self.stage_rows * STAGED_CHUNK * 2 + tile + 128
+
+    @property
+    def stage_rows(self) -> int:
+        """Rows of one staged chunk: the CTA's rows of w, then x's tokens."""
+        return ROWS * self.groups + TOKENS * self.tiles
 
     @property
     def launch_config(self) -> dict:
-        """Block, shared memory and, at PRODUCER_BUDGETS unless it publishes two-shot, the
-        register budget of the plain product or of the one-shot publish."""
-        config = dict(block=[WARPS * WARP, 1, 1], smem=self.smem_bytes)
-        plain, one_shot = PRODUCER_BUDGETS.get((self.k, self.tiles), (None, None))
-        two_shot = self.publish is not None and self.publish.two_shot
-        budget = None if two_shot else plain if self.publish is None else one_shot
-        if budget is not None:  # -1: no device query
-            config.update(min_blocks_per_mp=budget, preferred_smem_carveout=-1)
-        elif self.groups > 1:
-            config.update(min_blocks_per_mp=PRODUCER_GROUPED_CTAS_PER_SM,
-                          preferred_smem_carveout=-1)
+        """Block, shared memory and, streamed at one B tile unless it publishes two-shot, the
+        register budget (PRODUCER_BUDGETS) of the plain product or of the one-shot publish."""
+        config = dict(block=[WARPS * WARP, 1, 1], smem=self.smem_bytes,
+                      preferred_smem_carveout=-1)  # -1: the default carveout (no device query)
+        plain, one_shot = PRODUCER_BUDGETS.get(self.k, (None, None))
+        budget = plain if self.publish is None else one_shot
+        if (not self.staged and self.tiles == 1 and budget is not None
+                and not (self.publish is not None and self.publish.two_shot)):
+            config.update(min_blocks_per_mp=budget)
         return config
 
     @property
@@ -127,66 +143,141 @@ class OprojProducer:
     @cute.jit
     def rows(self, tidx, block, x: cute.Tensor, w: cute.Tensor, table, rank, out, batch):
         """CTA `block`'s 16·groups rows of one rank's w for its `batch` tokens: the GEMM, the
-        in-order warp sum, and the store into `out` [B, N] or the publish as rank `rank` of
-        the mailbox. Every thread of the CTA's WARPS warps calls it (it has CTA barriers);
-        the fused tail kernel too."""
+        in-order sum of its k parts, and the store into `out` [B, N] or the publish as rank
+        `rank` of the mailbox. Every thread of the CTA's WARPS warps calls it (it has CTA
+        barriers); the fused tail kernel too."""
         wait = None
         if cutlass.const_expr(self.publish is not None):  # read now: hidden by the GEMM
             wait = call_of(table, rank, self.publish.spec.layout, self.publish.spec.timeout_ns)
+        smem = cutlass.memory.SmemAllocator()
+        warp = cute.arch.warp_idx()
+        values = 4 * self.tiles * self.groups
+        partial = smem.allocate_tensor(
+            Float32, cute.make_layout((self.kparts, values, WARP),
+                                      stride=(values * WARP, WARP, 1)), byte_alignment=16)
+        if cutlass.const_expr(self.staged):
+            acc = self.staged_products(smem, tidx, block, x, w, batch)
+        else:
+            acc = self.streamed_products(block, x, w, batch)
+        q, part = warp % self.groups, warp // self.groups  # this warp's group and k part
+        for e in cutlass.range_constexpr(4 * self.tiles):
+            partial[part, 4 * self.tiles * q + e, cute.arch.lane_idx()] = acc[e]
+        self.finish(smem, partial, tidx, block, wait, rank, out, batch)
+
+    @cute.jit
+    def streamed_products(self, block, x: cute.Tensor, w: cute.Tensor, batch):
+        """This warp's fp32 products [tile, 4] of the CTA's 16 rows over its K / WARPS: w
+        streamed into registers, x loaded through L1."""
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         g, t = lane // 4, lane % 4
-        tiles, k, groups = self.tiles, self.k, self.groups
-        row0 = block * ROWS * groups
+        tiles, k = self.tiles, self.k
         k0 = warp * (k // WARPS) + t * VECTOR  # this lane's first k
-        w_at = Int64(w.iterator.toint()) + (Int64(row0 + g) * k + k0) * 2
+        w_at = Int64(w.iterator.toint()) + (Int64(block * ROWS + g) * k + k0) * 2
         x_at = Int64(x.iterator.toint()) + Int64(k0) * 2
         x_rows = [Int64(cutlass.min(j * TOKENS + g, batch - 1)) * (k * 2)
                   for j in range(tiles)]
-        acc = cute.make_rmem_tensor(4 * tiles * groups, Float32)  # [group, tile, 4]
+        acc = cute.make_rmem_tensor(4 * tiles, Float32)  # [tile, 4]
         acc.fill(0.0)
         for step in cutlass.range(k // (WARPS * STEP), unroll=UNROLL):
             offset = Int64(step * STEP * 2)
-            a = [stream_words(w_at + offset + Int64(ROWS * q * k * 2))  # row 16q + g
-                 for q in range(groups)]
-            b = [stream_words(w_at + offset + Int64((ROWS * q + 8) * k * 2))  # row 16q + g + 8
-                 for q in range(groups)]
+            a = stream_words(w_at + offset)  # row g
+            b = stream_words(w_at + offset + Int64(8 * k * 2))  # row g + 8
             for j in cutlass.range_constexpr(tiles):
                 xs = load_words(x_at + x_rows[j] + offset)  # through L1: every CTA reads x
-                for q in cutlass.range_constexpr(groups):
-                    e = 4 * (q * tiles + j)
-                    for half in cutlass.range_constexpr(2):
-                        d = mma_bf16([a[q][2 * half], b[q][2 * half], a[q][2 * half + 1],
-                                      b[q][2 * half + 1]],
-                                     [xs[2 * half], xs[2 * half + 1]],
-                                     [acc[e + i] for i in range(4)])
-                        for i in cutlass.range_constexpr(4):
-                            acc[e + i] = d[i]
+                multiply(acc, 4 * j, a, b, xs)
+        return acc
 
-        smem = cutlass.memory.SmemAllocator()
+    @cute.jit
+    def staged_products(self, smem, tidx, block, x: cute.Tensor, w: cute.Tensor, batch):
+        """This warp's fp32 products [tile, 4] of group warp % groups over k part
+        warp // groups of every chunk: the CTA copies chunk c + STAGES - 1 of its w rows and
+        of x into shared memory while it multiplies chunk c. A buffer row is a chunk's k of
+        one row of w or x in 16-byte units, unit u of row r at u ^ 4·(r % 2): the 8 lanes of
+        a quarter warp (rows g, g + 1; 4 units each) read 8 distinct bank groups."""
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        g, t = lane // 4, lane % 4
+        tiles, k, groups = self.tiles, self.k, self.groups
+        units = STAGED_CHUNK // VECTOR  # 16-byte units of a buffer row
+        row_bytes = units * VECTOR_BYTES
+        stage_bytes = self.stage_rows * row_bytes
+        base = Int32(smem.allocate(STAGED_STAGES * stage_bytes, byte_alignment=128).toint())
+        rows = ROWS * groups
+        w_at = Int64(w.iterator.toint()) + Int64(block * rows) * (k * 2)
+        x_at = Int64(x.iterator.toint())
+
+        chunks = k // STAGED_CHUNK
+        for c in cutlass.range_constexpr(STAGED_STAGES - 1):
+            if c < chunks:
+                self.copy_chunk(tidx, c, base + c * stage_bytes, w_at, x_at, batch)
+            commit_copies()
+
+        q, part = warp % groups, warp // groups
+        steps = STAGED_CHUNK // (self.kparts * STEP)  # warp steps per chunk
+        swizzle = 4 * (g % 2)  # rows g, g + 8 and 8j + g share g's parity
+        acc = cute.make_rmem_tensor(4 * tiles, Float32)  # [tile, 4]
+        acc.fill(0.0)
+        for c in cutlass.range(chunks):
+            wait_for_copies(STAGED_STAGES - 2)
+            cute.arch.barrier()  # chunk c has landed; every warp is done with chunk c - 1
+            if c + STAGED_STAGES - 1 < chunks:
+                self.copy_chunk(tidx, c + STAGED_STAGES - 1,
+                                base + ((c + STAGED_STAGES - 1) % STAGED_STAGES) * stage_bytes,
+                                w_at, x_at, batch)
+            commit_copies()
+            stage = base + (c % STAGED_STAGES) * stage_bytes
+            for step in cutlass.range_constexpr(steps):
+                unit = ((part * steps + step) * (STEP // VECTOR) + t) ^ swizzle
+                at = stage + unit * VECTOR_BYTES
+                a = load_shared_words(at + (ROWS * q + g) * row_bytes)
+                b = load_shared_words(at + (ROWS * q + g + 8) * row_bytes)
+                for j in cutlass.range_constexpr(tiles):
+                    xs = load_shared_words(at + (rows + j * TOKENS + g) * row_bytes)
+                    multiply(acc, 4 * j, a, b, xs)
+        wait_for_copies(0)
+        return acc
+
+    @cute.jit
+    def copy_chunk(self, tidx, chunk, stage, w_at: Int64, x_at: Int64, batch):
+        """This thread's copies of k chunk `chunk` of the CTA's w rows (from `w_at`) and of x
+        (token rows past B read row B - 1) into the buffer at shared address `stage`."""
+        units = STAGED_CHUNK // VECTOR
+        items = self.stage_rows * units
+        rows = ROWS * self.groups
+        for i in cutlass.range_constexpr((items + WARPS * WARP - 1) // (WARPS * WARP)):
+            item = tidx + i * WARPS * WARP
+            if item < items:
+                r, u = item // units, item % units
+                at = w_at + Int64(r) * (self.k * 2)
+                if r >= rows:
+                    at = x_at + Int64(cutlass.min(r - rows, batch - 1)) * (self.k * 2)
+                copy_to_shared(stage + r * (units * VECTOR_BYTES)
+                               + (u ^ (4 * (r % 2))) * VECTOR_BYTES,
+                               at + Int64(chunk * STAGED_CHUNK + u * VECTOR) * 2)
+
+    @cute.jit
+    def finish(self, smem, partial: cute.Tensor, tidx, block, wait, rank, out, batch):
+        """The k parts' sums in part order (deterministic), rounded to bf16, out as 16-byte
+        vectors: into `out` [B, N], or published into the mailbox (lamport.publish_words) at
+        the call's buffer (`wait`); nothing is published on a failed mailbox."""
+        tiles, groups = self.tiles, self.groups
         values = 4 * tiles * groups
-        partial = smem.allocate_tensor(Float32, cute.make_layout((WARPS, values, WARP),
-                                                                 stride=(values * WARP, WARP, 1)),
-                                       byte_alignment=16)
         tile = smem.allocate_tensor(Float32, cute.make_layout((tiles * TOKENS, ROWS * groups),
                                                               stride=(ROWS * groups, 1)),
                                     byte_alignment=16)
-        for e in cutlass.range_constexpr(values):
-            partial[warp, e, lane] = acc[e]
         cute.arch.barrier()
-        # Sum the warps in order; element (q, j, i) of lane (g, t) is row 16q + g + 8·(i // 2),
-        # token 8j + 2t + i % 2.
+        # Element (q, j, i) of lane (g, t) is row 16q + g + 8·(i // 2), token 8j + 2t + i % 2.
         for item in cutlass.range(tidx, values * WARP, WARPS * WARP):
             e, l = item // WARP, item % WARP
             total = partial[0, e, l]
-            for q in cutlass.range_constexpr(1, WARPS):
-                total = total + partial[q, e, l]
+            for p in cutlass.range_constexpr(1, self.kparts):
+                total = total + partial[p, e, l]
             group, j, i = e // (4 * tiles), (e // 4) % tiles, e % 4
             tile[j * TOKENS + 2 * (l % 4) + i % 2,
                  ROWS * group + l // 4 + 8 * (i // 2)] = total
         cute.arch.barrier()
         per_token = 2 * groups  # 8-row vectors per token
-        if tidx < per_token * batch:
-            token, part = tidx // per_token, tidx % per_token
+        for item in cutlass.range(tidx, per_token * batch, WARPS * WARP):
+            token, part = item // per_token, item % per_token
             words = f32_to_words([tile[token, part * VECTOR + e] for e in range(VECTOR)])
             vec = block * per_token + part
             if cutlass.const_expr(self.publish is None):
@@ -198,12 +289,26 @@ class OprojProducer:
                               multicast=self.publish.spec.multicast)
 
 
-def row_groups(tiles: int) -> int:
-    """16-row groups of w per producer CTA at `tiles` B tiles (two share each x load)."""
-    return 2 if tiles >= PRODUCER_GROUPED_TILES else 1
+@cute.jit
+def multiply(acc: cute.Tensor, e: cutlass.Constexpr, a, b, xs):
+    """acc[e : e + 4] += one 16-row group (a: row g, b: row g + 8; 16 bytes each) times one
+    token row (xs) over this lane's 8 k: two mma k-blocks. Any bijection of k is a valid
+    reduction order as long as A and B use the same one: words 0-1 of each feed the first
+    mma, 2-3 the second."""
+    for half in cutlass.range_constexpr(2):
+        d = mma_bf16([a[2 * half], b[2 * half], a[2 * half + 1], b[2 * half + 1]],
+                     [xs[2 * half], xs[2 * half + 1]], [acc[e + i] for i in range(4)])
+        for i in cutlass.range_constexpr(4):
+            acc[e + i] = d[i]
+
+
+def is_staged(tiles: int, k: int) -> bool:
+    """Whether the producer of `tiles` B tiles at K = `k` stages its operands in shared
+    memory (geometry.STAGED_TILES)."""
+    return tiles >= STAGED_TILES.get(k, 1)
 
 
 @functools.cache
 def producer_kernel(tiles, k, n):
     """The plain product bf16(x @ w.T) [B, N] (no mailbox), for B of `tiles` B tiles."""
-    return OprojProducer(tiles, k, n, None, groups=row_groups(tiles))
+    return OprojProducer(tiles, k, n, None, staged=is_staged(tiles, k))

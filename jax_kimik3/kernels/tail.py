@@ -21,7 +21,7 @@ from jax_kimik3.kernels.attn_res import HIDDEN, AttnResKernel, AttnResTensors
 from jax_kimik3.kernels.geometry import HOLDING_MAX_BATCH, TOKENS
 from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.lamport import AllReduce
-from jax_kimik3.kernels.producer import OprojProducer, row_groups
+from jax_kimik3.kernels.producer import OprojProducer, is_staged
 from jax_kimik3.kernels.variants import Publish
 
 
@@ -41,7 +41,7 @@ class Tail:
         self.all_reduce = AllReduce(reduction.spec, reduction.ranks, reduction.two_shot)
         self.producer = None if k is None else OprojProducer(
             tiles, k, HIDDEN, Publish(reduction.spec, reduction.two_shot), reduction.ranks,
-            groups=row_groups(tiles))
+            staged=is_staged(tiles, k))
         # Rows from the producer come in B tiles; rows from XLA's dot, at any B.
         self.consumer = AttnResKernel(
             variant, holding=tiles is not None and tiles * TOKENS <= HOLDING_MAX_BATCH)
