@@ -155,11 +155,11 @@ class OprojProducer:
         partial = smem.allocate_tensor(
             Float32, cute.make_layout((self.kparts, values, WARP),
                                       stride=(values * WARP, WARP, 1)), byte_alignment=16)
+        q, part = warp % self.groups, warp // self.groups  # this warp's group and k part
         if cutlass.const_expr(self.staged):
-            acc = self.staged_products(smem, tidx, block, x, w, batch)
+            acc = self.staged_products(smem, tidx, block, q, part, x, w, batch)
         else:
             acc = self.streamed_products(block, x, w, batch)
-        q, part = warp % self.groups, warp // self.groups  # this warp's group and k part
         for e in cutlass.range_constexpr(4 * self.tiles):
             partial[part, 4 * self.tiles * q + e, cute.arch.lane_idx()] = acc[e]
         self.finish(smem, partial, tidx, block, wait, rank, out, batch)
@@ -188,13 +188,14 @@ class OprojProducer:
         return acc
 
     @cute.jit
-    def staged_products(self, smem, tidx, block, x: cute.Tensor, w: cute.Tensor, batch):
-        """This warp's fp32 products [tile, 4] of group warp % groups over k part
-        warp // groups of every chunk: the CTA copies chunk c + STAGES - 1 of its w rows and
-        of x into shared memory while it multiplies chunk c. A buffer row is a chunk's k of
-        one row of w or x in 16-byte units, unit u of row r at u ^ 4·(r % 2): the 8 lanes of
-        a quarter warp (rows g, g + 1; 4 units each) read 8 distinct bank groups."""
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+    def staged_products(self, smem, tidx, block, q, part, x: cute.Tensor, w: cute.Tensor,
+                        batch):
+        """This warp's fp32 products [tile, 4] of group q over k part `part` of every chunk:
+        the CTA copies chunk c + STAGES - 1 of its w rows and of x into shared memory while it
+        multiplies chunk c. A buffer row is a chunk's k of one row of w or x in 16-byte units,
+        unit u of row r at u ^ 4·(r % 2): the 8 lanes of a quarter warp (rows g, g + 1; 4
+        units each) read 8 distinct bank groups."""
+        lane = cute.arch.lane_idx()
         g, t = lane // 4, lane % 4
         tiles, k, groups = self.tiles, self.k, self.groups
         units = STAGED_CHUNK // VECTOR  # 16-byte units of a buffer row
@@ -211,7 +212,6 @@ class OprojProducer:
                 self.copy_chunk(tidx, c, base + c * stage_bytes, w_at, x_at, batch)
             commit_copies()
 
-        q, part = warp % groups, warp // groups
         steps = STAGED_CHUNK // (self.kparts * STEP)  # warp steps per chunk
         swizzle = 4 * (g % 2)  # rows g, g + 8 and 8j + g share g's parity
         acc = cute.make_rmem_tensor(4 * tiles, Float32)  # [tile, 4]
