@@ -14,13 +14,11 @@ from typing import Any, NamedTuple
 import jax
 
 from jax_kimik3 import api
-from jax_kimik3.backend import BACKENDS, Backend
+from jax_kimik3.backend import Backend
 from jax_kimik3.config import KIMI_K3, LayerPlan
-from jax_kimik3.layout import MailboxSpec
-from jax_kimik3.mailbox import Mailbox
-from jax_kimik3.mesh_mailbox import MeshMailbox
 from jax_kimik3.tuning import TailVariant
-from jax_kimik3.validation import Checker, check_variant
+from jax_kimik3.validation import (Checker, check_backend_name, check_mailbox_kind,
+                                   check_variant)
 
 
 class AttnResWeights(NamedTuple):
@@ -76,12 +74,9 @@ class AttentionTail:
             check.fail(f"plan (layer index={self.plan.index!r}) is not one of Kimi K3's layer "
                        "plans: pass KIMI_K3.layer(i)")
         check.hashable(axis_name=self.axis_name)
-        if self.mailbox is not None and not isinstance(self.mailbox,
-                                                       (Mailbox, MeshMailbox, MailboxSpec)):
-            check.fail(f"mailbox={self.mailbox!r} must be a Mailbox, a MeshMailbox, a "
-                       "MailboxSpec or None")
-        if self.backend not in BACKENDS:
-            check.fail(f"backend={self.backend!r} must be one of {BACKENDS}")
+        if self.mailbox is not None:
+            check_mailbox_kind(check, self.mailbox)
+        check_backend_name(check, self.backend)  # the host is checked at call time
         check_variant(check, self.variant, self.two_shot)
         check.done()
 

@@ -185,11 +185,19 @@ def check_attn_res(check, prefix, blocks, res_norm_w, res_proj_w, out_norm_w, *,
     return rows
 
 
+def check_backend_name(check, backend) -> bool:
+    """A known backend (what it needs of the host is check_backend's)."""
+    if backend in backends.BACKENDS:
+        return True
+    check.fail(f"backend={backend!r} must be one of {backends.BACKENDS}")
+    return False
+
+
 def check_backend(check, backend, hidden=None):
     """A known backend; "kernel" needs a CUDA GPU, or a kernel target to lower for."""
-    if backend not in backends.BACKENDS:
-        check.fail(f"backend={backend!r} must be one of {backends.BACKENDS}")
-    elif backend == "kernel":
+    if not check_backend_name(check, backend):
+        return
+    if backend == "kernel":
         problem = backends.kernel_problem(hidden)
         if problem:
             check.fail(f"backend='kernel': {problem}")
@@ -224,6 +232,16 @@ def check_axis(check, axis_name):
     return None
 
 
+def check_mailbox_kind(check, mailbox) -> bool:
+    """A Mailbox, a MeshMailbox or a MailboxSpec (where the caller allows None, it checks
+    that first)."""
+    if isinstance(mailbox, (Mailbox, MeshMailbox, MailboxSpec)):
+        return True
+    check.fail(f"mailbox={_short(mailbox)} must be a Mailbox, a MeshMailbox, a MailboxSpec or "
+               "None")
+    return False
+
+
 def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
                   virtual=False):
     """A live Mailbox, a MeshMailbox or a MailboxSpec that fits the call: under shard_map one
@@ -231,9 +249,7 @@ def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
     virtual TP (`virtual`) every rank's buffer on the one device. `peer_table` (uint32
     [T + 1, 2], or a device's block [1, ..., 1, T + 1, 2] of MeshMailbox.table) is required
     but for a live Mailbox, whose own table is then a constant. Returns its spec or None."""
-    if not isinstance(mailbox, (Mailbox, MeshMailbox, MailboxSpec)):
-        check.fail(f"mailbox={_short(mailbox)} must be a Mailbox, a MeshMailbox, a MailboxSpec "
-                   "or None")
+    if not check_mailbox_kind(check, mailbox):
         return None
     spec = mailbox.spec
     if isinstance(mailbox, (Mailbox, MeshMailbox)) and mailbox.closed:
