@@ -67,9 +67,10 @@ def test_one_producer_per_b_tile_count(b, tiles):
 @pytest.mark.parametrize("k,b", [(1536, 8), (1536, 9), (3072, 1)],
                          ids=["streamed", "staged", "staged_long_k"])
 def test_ptx_feeds_weights_into_mma(tmp_path, k, b):
-    """Tensor-core mma.sync on bf16, rows out through 16-byte (weak: an ordinary output)
-    stores; streamed, the weights go into registers through 16-byte streaming loads, staged
-    (producer.is_staged) both operands through shared memory (cp.async, 16 bytes)."""
+    """Tensor cores on bf16, rows out through 16-byte (weak: an ordinary output) stores;
+    streamed, the weights go into registers through 16-byte streaming loads and mma.sync,
+    staged (producer.is_staged) both operands into shared memory (cp.async, 16 bytes) and
+    from there into wgmma (M = 64 rows of w, N = 8 per B tile), fenced for the async proxy."""
     from jax_kimik3.kernels.producer import is_staged
 
     ptx = kept_ptx(f"""
@@ -82,10 +83,12 @@ def test_ptx_feeds_weights_into_mma(tmp_path, k, b):
     staged = is_staged(variants.tiles(b), k)
     assert staged == (b > 8 or k > 1536)
     assert ".target sm_90a" in ptx
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx) == (not staged)
     assert ("ld.global.nc.L1::no_allocate.L2::256B.v4.u32" in ptx) == (not staged)
     assert ("cp.async.cg.shared.global" in ptx) == staged
-    assert ("ld.shared.v4.u32" in ptx) == staged
+    wgmma = f"wgmma.mma_async.sync.aligned.m64n{8 * variants.tiles(b)}k16.f32.bf16.bf16"
+    assert (wgmma in ptx) == staged
+    assert ("fence.proxy.async.shared::cta" in ptx) == staged
     assert "st.global.v4.b32" in ptx
 
 

@@ -321,16 +321,6 @@ def wait_for_copies(pending: cutlass.Constexpr[int], *, loc=None, ip=None):
 
 
 @dsl_user_op
-def load_shared_words(shared: Int32, *, loc=None, ip=None):
-    """16 bytes at shared address `shared` as four Uint32 (`ld.shared.v4`; has side effects
-    so that it stays after the CTA barrier that publishes the copies it reads)."""
-    out = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int32(shared).ir_value(loc=loc, ip=ip)],
-               "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", effects=True,
-               loc=loc, ip=ip)
-    return [Uint32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
 def mma_bf16(a, b, c, *, loc=None, ip=None):
     """One warp-wide `mma.sync.m16n8k16` (bf16 in, fp32 accumulate): D = A·B + C with this
     lane's fragments a (4 words), b (2 words), c (4 fp32); returns D's 4 fp32."""
@@ -341,6 +331,65 @@ def mma_bf16(a, b, c, *, loc=None, ip=None):
                "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", effects=False, loc=loc, ip=ip)
     return [Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+# wgmma (sm_90a): a warpgroup's multiply-accumulate from two operands in shared memory, each
+# K-major in 128-byte swizzled rows: row r of an operand's 64-wide k slice is 128 bytes at r·128,
+# its 16-byte unit u at u ^ (r % 8), the slice 1024-byte aligned (the descriptor's base).
+SWIZZLED_ROW_BYTES = 128
+# Descriptor bits 32-63: 8-row groups 1024 bytes apart (the stride, in 16-byte units), 128-byte
+# swizzle (layout type 1 at bit 62); bits 0-13 are the start address in 16-byte units.
+_DESCRIPTOR_HIGH = ((8 * SWIZZLED_ROW_BYTES) >> 4 << 32) | (1 << 62)
+
+
+@dsl_user_op
+def fence_async_shared(*, loc=None, ip=None):
+    """`fence.proxy.async.shared::cta`: this thread's shared-memory writes so far (its landed
+    copies) come before the async proxy's reads of them (wgmma's operands)."""
+    _asm(None, [], "fence.proxy.async.shared::cta;", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def warpgroup_fence(*, loc=None, ip=None):
+    """`wgmma.fence`: the accumulator registers written so far come before the next wgmma."""
+    _asm(None, [], "wgmma.fence.sync.aligned;", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def warpgroup_commit(*, loc=None, ip=None):
+    """`wgmma.commit_group`: this warpgroup's wgmmas since the last commit form one group."""
+    _asm(None, [], "wgmma.commit_group.sync.aligned;", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def warpgroup_wait(pending: cutlass.Constexpr[int], *, loc=None, ip=None):
+    """`wgmma.wait_group`: every wgmma group but the `pending` newest has completed (its
+    accumulators are written and its shared-memory reads done)."""
+    _asm(None, [], f"wgmma.wait_group.sync.aligned {pending};", "", effects=True, loc=loc,
+         ip=ip)
+
+
+@dsl_user_op
+def wgmma_bf16(a: Int32, b: Int32, acc, *, loc=None, ip=None):
+    """One `wgmma.mma_async.m64nNk16` (bf16 in, fp32 accumulate, N = 2·len(acc)): acc += A·Bᵀ
+    with A [64, 16] at shared address `a` and B [N, 16] at `b`, both K-major and swizzled
+    (SWIZZLED_ROW_BYTES). This warp's acc[4j + i] is row 16·(warp % 4) + lane / 4 + 8·(i // 2),
+    column 8j + 2·(lane % 4) + i % 2: mma.sync's fragment, warp by warp. Asynchronous: acc is
+    read only after `warpgroup_commit` and `warpgroup_wait`."""
+    n = 2 * len(acc)
+    descriptors = [Int64(Int64(Int32(address) >> 4) | Int64(_DESCRIPTOR_HIGH))
+                   .ir_value(loc=loc, ip=ip) for address in (a, b)]
+    regs = ", ".join(f"${i}" for i in range(n // 2))
+    out = _asm(llvm.StructType.get_literal([T.f32()] * (n // 2)),
+               [Float32(v).ir_value(loc=loc, ip=ip) for v in acc] + descriptors
+               + [Int32(1).ir_value(loc=loc, ip=ip)],
+               f"{{ .reg .pred d; setp.ne.b32 d, ${n + 2}, 0; "  # scale-d: accumulate
+               f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{regs}}}, "
+               f"${n}, ${n + 1}, d, 1, 1, 0, 0; }}",
+               ",".join(["=f"] * (n // 2) + [str(i) for i in range(n // 2)] + ["l", "l", "r"]),
+               effects=True, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip))
+            for i in range(n // 2)]
 
 
 @dsl_user_op

@@ -1,22 +1,25 @@
 """The o_proj producer (sm_90a): R ranks' rows bf16(x @ w.T), ending in the Lamport publish.
 
 x [R, B, K] bf16 (B <= 64, read at run time; compiled per B tile count), w [R, N, K] bf16 with
-N = 7168: weight streaming, so the kernel's job is to read w once at read bandwidth. Warps
-run `mma.sync.m16n8k16` with 16 rows of w as A and x as B, one 8-column B tile per 8 tokens:
-- any bijection of k is a valid reduction order, as long as A and B use the same one, so lane
-  (g, t) (g = lane / 4, t = lane % 4) takes 16 contiguous bytes of rows g and g + 8 of w and of
-  token row g of x at k = 8t, and feeds the first 8 bytes of each to one mma and the last 8 to
-  the next: every load is a full 16-byte vector, 64 contiguous bytes per row per 4 lanes;
+N = 7168: weight streaming, so the kernel's job is to read w once at read bandwidth. w's rows
+are the GEMM's M and x's tokens its N (one 8-column B tile per 8 tokens), in one of two forms:
 - staged (`is_staged`: geometry.STAGED_TILES): one CTA owns 4 groups of 16 rows (112 CTAs per
   rank) and copies (cp.async) each 128-wide k chunk of its rows of w and of x into one of
-  4 shared buffers while its warps multiply an earlier chunk; warp (q, p) multiplies group q
-  over half p of each chunk's k. Every x element crosses L2 once per 64 rows of w, and the
-  copies in flight, not registers, hide the memory latency;
+  4 shared buffers while it multiplies an earlier chunk: warpgroup p runs
+  `wgmma.m64nNk16` (N = 8 per B tile) over k half p of the chunk, both operands read from
+  shared memory (K-major, 128-byte swizzled rows), so its warp q holds group q's products.
+  Every x element crosses L2 once per 64 rows of w, and the copies in flight, not registers,
+  hide the memory latency;
 - streamed (one B tile at K <= 1536, and the fused tail's producer): one CTA owns 16 rows
-  (448 CTAs per rank); each warp streams w into registers over K / 8 and reads x through L1.
-  The launch has a register budget (.minnctapersm, geometry.PRODUCER_BUDGETS) by K, one for
-  the plain product (more weight loads in flight) and one for the one-shot publish (room
-  beside it for the tail's next kernel), none where it publishes two-shot;
+  (448 CTAs per rank); each warp streams w into registers over K / 8, reads x through L1 and
+  runs `mma.sync.m16n8k16`. Any bijection of k is a valid reduction order, as long as A and B
+  use the same one, so lane (g, t) (g = lane / 4, t = lane % 4) takes 16 contiguous bytes of
+  rows g and g + 8 of w and of token row g of x at k = 8t, and feeds the first 8 bytes of
+  each to one mma and the last 8 to the next: every load is a full 16-byte vector, 64
+  contiguous bytes per row per 4 lanes. The launch has a register budget (.minnctapersm,
+  geometry.PRODUCER_BUDGETS) by K, one for the plain product (more weight loads in flight)
+  and one for the one-shot publish (room beside it for the tail's next kernel), none where
+  it publishes two-shot;
 - a lane's accumulators (row g [+8], token 8j + 2t [+1]) go to shared memory; the k parts'
   partial sums are added in part order (deterministic), rounded to bf16, and leave as 16-byte
   vectors: into a plain [B, N] output, or published into the mailbox (lamport.publish_words)
@@ -41,15 +44,17 @@ from jax_kimik3.kernels.geometry import (PRODUCER_BUDGETS, ROWS, STAGED_CHUNK, S
                                          STAGED_STAGES, STAGED_TILES, TOKENS, VECTOR,
                                          VECTOR_BYTES, WARP)
 from jax_kimik3.kernels.lamport import publish_words
-from jax_kimik3.kernels.primitives import (call_of, commit_copies, copy_to_shared,
-                                           f32_to_words, fence_system, let_next_launch,
-                                           load_shared_words, load_words, mma_bf16,
-                                           stream_words, store_words, wait_for_copies,
-                                           without_negative_zero)
+from jax_kimik3.kernels.primitives import (SWIZZLED_ROW_BYTES, call_of, commit_copies,
+                                           copy_to_shared, f32_to_words, fence_async_shared,
+                                           fence_system, let_next_launch, load_words, mma_bf16,
+                                           store_words, stream_words, wait_for_copies,
+                                           warpgroup_commit, warpgroup_fence, warpgroup_wait,
+                                           wgmma_bf16, without_negative_zero)
 from jax_kimik3.kernels.variants import Publish
 
 STEP = 4 * VECTOR  # k per warp step: 4 lanes x 16 bytes, two mma k-blocks
 UNROLL = 6  # warp steps in flight
+MMA_K = 16  # k of one mma
 MAX_BATCH = KIMI_K3.mailbox_capacity  # decode rows per rank: at most 8 B tiles of accumulators
 
 
@@ -81,7 +86,7 @@ class OprojProducer:
         tile = 4 * (self.kparts + 1) * values * WARP + 64
         if not self.staged:
             return tile
-        return STAGED_STAGES * self.stage_rows * STAGED_CHUNK * 2 + tile + 128
+        return STAGED_STAGES * self.stage_rows * STAGED_CHUNK * 2 + tile + 1024
 
     @property
     def stage_rows(self) -> int:
@@ -157,7 +162,7 @@ class OprojProducer:
                                       stride=(values * WARP, WARP, 1)), byte_alignment=16)
         q, part = warp % self.groups, warp // self.groups  # this warp's group and k part
         if cutlass.const_expr(self.staged):
-            acc = self.staged_products(smem, tidx, block, q, part, x, w, batch)
+            acc = self.staged_products(smem, tidx, block, part, x, w, batch)
         else:
             acc = self.streamed_products(block, x, w, batch)
         for e in cutlass.range_constexpr(4 * self.tiles):
@@ -188,20 +193,18 @@ class OprojProducer:
         return acc
 
     @cute.jit
-    def staged_products(self, smem, tidx, block, q, part, x: cute.Tensor, w: cute.Tensor,
+    def staged_products(self, smem, tidx, block, part, x: cute.Tensor, w: cute.Tensor,
                         batch):
-        """This warp's fp32 products [tile, 4] of group q over k part `part` of every chunk:
-        the CTA copies chunk c + STAGES - 1 of its w rows and of x into shared memory while it
-        multiplies chunk c. A buffer row is a chunk's k of one row of w or x in 16-byte units,
-        unit u of row r at u ^ 4·(r % 2): the 8 lanes of a quarter warp (rows g, g + 1; 4
-        units each) read 8 distinct bank groups."""
-        lane = cute.arch.lane_idx()
-        g, t = lane // 4, lane % 4
+        """This warp's fp32 products [tile, 4] of its group (warp % 4) over k half `part` of
+        every chunk:
+        the CTA copies chunk c + STAGES - 1 of its w rows and of x into shared memory while
+        each warpgroup multiplies its half of chunk c. A buffer holds a chunk's two 64-wide k
+        halves, each its rows (w's, then x's) K-major in 128-byte swizzled rows
+        (primitives.SWIZZLED_ROW_BYTES)."""
         tiles, k, groups = self.tiles, self.k, self.groups
-        units = STAGED_CHUNK // VECTOR  # 16-byte units of a buffer row
-        row_bytes = units * VECTOR_BYTES
-        stage_bytes = self.stage_rows * row_bytes
-        base = Int32(smem.allocate(STAGED_STAGES * stage_bytes, byte_alignment=128).toint())
+        half_bytes = self.stage_rows * SWIZZLED_ROW_BYTES
+        stage_bytes = 2 * half_bytes
+        base = Int32(smem.allocate(STAGED_STAGES * stage_bytes, byte_alignment=1024).toint())
         rows = ROWS * groups
         w_at = Int64(w.iterator.toint()) + Int64(block * rows) * (k * 2)
         x_at = Int64(x.iterator.toint())
@@ -212,27 +215,27 @@ class OprojProducer:
                 self.copy_chunk(tidx, c, base + c * stage_bytes, w_at, x_at, batch)
             commit_copies()
 
-        steps = STAGED_CHUNK // (self.kparts * STEP)  # warp steps per chunk
-        swizzle = 4 * (g % 2)  # rows g, g + 8 and 8j + g share g's parity
         acc = cute.make_rmem_tensor(4 * tiles, Float32)  # [tile, 4]
         acc.fill(0.0)
         for c in cutlass.range(chunks):
             wait_for_copies(STAGED_STAGES - 2)
-            cute.arch.barrier()  # chunk c has landed; every warp is done with chunk c - 1
+            fence_async_shared()  # this thread's copies of chunk c, before wgmma reads them
+            cute.arch.barrier()  # chunk c has landed; every wgmma of chunk c - 1 is done
             if c + STAGED_STAGES - 1 < chunks:
                 self.copy_chunk(tidx, c + STAGED_STAGES - 1,
                                 base + ((c + STAGED_STAGES - 1) % STAGED_STAGES) * stage_bytes,
                                 w_at, x_at, batch)
             commit_copies()
-            stage = base + (c % STAGED_STAGES) * stage_bytes
-            for step in cutlass.range_constexpr(steps):
-                unit = ((part * steps + step) * (STEP // VECTOR) + t) ^ swizzle
-                at = stage + unit * VECTOR_BYTES
-                a = load_shared_words(at + (ROWS * q + g) * row_bytes)
-                b = load_shared_words(at + (ROWS * q + g + 8) * row_bytes)
-                for j in cutlass.range_constexpr(tiles):
-                    xs = load_shared_words(at + (rows + j * TOKENS + g) * row_bytes)
-                    multiply(acc, 4 * j, a, b, xs)
+            half = base + (c % STAGED_STAGES) * stage_bytes + part * half_bytes
+            values = [acc[e] for e in range(4 * tiles)]
+            warpgroup_fence()
+            for step in cutlass.range_constexpr(STAGED_CHUNK // (2 * MMA_K)):
+                at = half + step * (MMA_K * 2)  # k advances inside the swizzled rows
+                values = wgmma_bf16(at, at + rows * SWIZZLED_ROW_BYTES, values)
+            warpgroup_commit()
+            warpgroup_wait(0)
+            for e in cutlass.range_constexpr(4 * tiles):
+                acc[e] = values[e]
         wait_for_copies(0)
         return acc
 
@@ -241,6 +244,7 @@ class OprojProducer:
         """This thread's copies of k chunk `chunk` of the CTA's w rows (from `w_at`) and of x
         (token rows past B read row B - 1) into the buffer at shared address `stage`."""
         units = STAGED_CHUNK // VECTOR
+        per_row = SWIZZLED_ROW_BYTES // VECTOR_BYTES  # 16-byte units of a swizzled row
         items = self.stage_rows * units
         rows = ROWS * self.groups
         for i in cutlass.range_constexpr((items + WARPS * WARP - 1) // (WARPS * WARP)):
@@ -250,8 +254,9 @@ class OprojProducer:
                 at = w_at + Int64(r) * (self.k * 2)
                 if r >= rows:
                     at = x_at + Int64(cutlass.min(r - rows, batch - 1)) * (self.k * 2)
-                copy_to_shared(stage + r * (units * VECTOR_BYTES)
-                               + (u ^ (4 * (r % 2))) * VECTOR_BYTES,
+                copy_to_shared(stage + (u // per_row) * (self.stage_rows * SWIZZLED_ROW_BYTES)
+                               + r * SWIZZLED_ROW_BYTES
+                               + ((u % per_row) ^ (r % per_row)) * VECTOR_BYTES,
                                at + Int64(chunk * STAGED_CHUNK + u * VECTOR) * 2)
 
     @cute.jit
