@@ -14,11 +14,12 @@ PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 # The o_proj producer stages its operands through shared memory (cp.async): a CTA takes
 # STAGED_GROUPS 16-row groups of w (64 rows, so each x element crosses L2 once per 64 rows of
 # w) and copies each STAGED_CHUNK-wide k chunk of its w rows and of x into one of
-# STAGED_STAGES shared buffers while its warps multiply an earlier one, each warp one group
+# STAGED_STAGES shared buffers while its two warpgroups multiply an earlier one on wgmma, each
 # over half of each chunk's k. It does so at every K from STAGED_TILES[K] B tiles (absent:
-# from one); below, each warp streams w into registers over K / 8 and reads x through L1,
-# as the fused tail's producer does at every B. Measured on the H200 (benchmarks/RESULTS.md,
-# session 31), plain kernel µs staged against streamed:
+# from one); below, each warp streams w into registers over K / 8, reads x through L1 and
+# multiplies on mma.sync, as the fused tail's producer does at every B. Measured on the H200
+# (benchmarks/RESULTS.md, session 31, staged on mma.sync), plain kernel µs staged against
+# streamed:
 # - B = 1 / 8 / 16: K = 768 4.64 / 4.59 / 4.80 against 4.41 / 4.61 / 5.23, K = 1536 7.59 /
 #   7.22 / 7.33 against 7.42 / 7.61 / 8.74, K = 3072 12.83 / 12.64 / 13.04 against 13.41 /
 #   14.06 / 15.43, K = 6144 23.26 / 23.14 / 23.90 against 23.78 / 26.26 / 27.33; one TP8
@@ -28,6 +29,9 @@ PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 # - B = 32 / 64 (against two streamed row groups per CTA): K = 1536 8.31 / 10.44 against
 #   9.37 / 12.07, K = 6144 25.55 / 32.16 against 30.15 / 40.62; one TP8 rank's two-shot tail
 #   16.93 / 21.48 against 17.61 / 23.28.
+# wgmma against mma.sync on the staged operands, on an H100 (session 32): K = 1536 at B = 16 /
+# 32 / 64: 9.24 / 9.67 / 10.10 against 9.33 / 10.12 / 11.05; K = 6144: 32.93 / 33.50 / 34.68
+# against 32.97 / 34.46 / 36.23; one TP8 rank's two-shot tail at B = 64: 22.27 against 24.06.
 STAGED_TILES = {768: 2, 1536: 2}
 STAGED_GROUPS = 4
 STAGED_CHUNK = 128
