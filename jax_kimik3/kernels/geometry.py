@@ -33,8 +33,8 @@ PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 # 32 / 64: 9.24 / 9.67 / 10.10 against 9.33 / 10.12 / 11.05; K = 6144: 32.93 / 33.50 / 34.68
 # against 32.97 / 34.46 / 36.23; one TP8 rank's two-shot tail at B = 64: 22.27 against 24.06.
 STAGED_TILES = {768: 2, 1536: 2}
-STAGED_GROUPS = 4
-STAGED_CHUNK = 128
+STAGED_GROUPS = 4  # wgmma's M = 64 rows: one group per warp of a warpgroup
+STAGED_CHUNK = 128  # two 64-wide k halves (a 128-byte swizzled row each), one per warpgroup
 STAGED_STAGES = 4
 # The streamed producer's register budgets (.minnctapersm: CTAs per SM) at one B tile by K:
 # (plain product, one-shot publish); none when it publishes two-shot. The budget decides how

@@ -196,10 +196,9 @@ class OprojProducer:
     def staged_products(self, smem, tidx, block, part, x: cute.Tensor, w: cute.Tensor,
                         batch):
         """This warp's fp32 products [tile, 4] of its group (warp % 4) over k half `part` of
-        every chunk:
-        the CTA copies chunk c + STAGES - 1 of its w rows and of x into shared memory while
-        each warpgroup multiplies its half of chunk c. A buffer holds a chunk's two 64-wide k
-        halves, each its rows (w's, then x's) K-major in 128-byte swizzled rows
+        every chunk: the CTA copies chunk c + STAGES - 1 of its w rows and of x into shared
+        memory while each warpgroup multiplies its half of chunk c. A buffer holds a chunk's
+        two 64-wide k halves, each its rows (w's, then x's) K-major in 128-byte swizzled rows
         (primitives.SWIZZLED_ROW_BYTES)."""
         tiles, k, groups = self.tiles, self.k, self.groups
         half_bytes = self.stage_rows * SWIZZLED_ROW_BYTES
