@@ -376,20 +376,20 @@ def wgmma_bf16(a: Int32, b: Int32, acc, *, loc=None, ip=None):
     (SWIZZLED_ROW_BYTES). This warp's acc[4j + i] is row 16·(warp % 4) + lane / 4 + 8·(i // 2),
     column 8j + 2·(lane % 4) + i % 2: mma.sync's fragment, warp by warp. Asynchronous: acc is
     read only after `warpgroup_commit` and `warpgroup_wait`."""
-    n = 2 * len(acc)
+    count = len(acc)  # fp32 values per thread: N / 2
+    n = 2 * count
     descriptors = [Int64(Int64(Int32(address) >> 4) | Int64(_DESCRIPTOR_HIGH))
                    .ir_value(loc=loc, ip=ip) for address in (a, b)]
-    regs = ", ".join(f"${i}" for i in range(n // 2))
-    out = _asm(llvm.StructType.get_literal([T.f32()] * (n // 2)),
+    regs = ", ".join(f"${i}" for i in range(count))
+    out = _asm(llvm.StructType.get_literal([T.f32()] * count),
                [Float32(v).ir_value(loc=loc, ip=ip) for v in acc] + descriptors
                + [Int32(1).ir_value(loc=loc, ip=ip)],
                f"{{ .reg .pred d; setp.ne.b32 d, ${n + 2}, 0; "  # scale-d: accumulate
                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{regs}}}, "
                f"${n}, ${n + 1}, d, 1, 1, 0, 0; }}",
-               ",".join(["=f"] * (n // 2) + [str(i) for i in range(n // 2)] + ["l", "l", "r"]),
+               ",".join(["=f"] * count + [str(i) for i in range(count)] + ["l", "l", "r"]),
                effects=True, loc=loc, ip=ip)
-    return [Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip))
-            for i in range(n // 2)]
+    return [Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(count)]
 
 
 @dsl_user_op
