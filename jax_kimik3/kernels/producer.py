@@ -86,7 +86,12 @@ class OprojProducer:
         tile = 4 * (self.kparts + 1) * values * WARP + 64
         if not self.staged:
             return tile
-        return STAGED_STAGES * self.stage_rows * STAGED_CHUNK * 2 + tile + 1024
+        return STAGED_STAGES * 2 * self.half_bytes + tile + 1024  # 1024: the buffers' alignment
+
+    @property
+    def half_bytes(self) -> int:
+        """Bytes of one 64-wide k half of a staged chunk: every row's 128-byte swizzled row."""
+        return self.stage_rows * SWIZZLED_ROW_BYTES
 
     @property
     def stage_rows(self) -> int:
@@ -201,7 +206,7 @@ class OprojProducer:
         two 64-wide k halves, each its rows (w's, then x's) K-major in 128-byte swizzled rows
         (primitives.SWIZZLED_ROW_BYTES)."""
         tiles, k, groups = self.tiles, self.k, self.groups
-        half_bytes = self.stage_rows * SWIZZLED_ROW_BYTES
+        half_bytes = self.half_bytes
         stage_bytes = 2 * half_bytes
         base = Int32(smem.allocate(STAGED_STAGES * stage_bytes, byte_alignment=1024).toint())
         rows = ROWS * groups
@@ -253,7 +258,7 @@ class OprojProducer:
                 at = w_at + Int64(r) * (self.k * 2)
                 if r >= rows:
                     at = x_at + Int64(cutlass.min(r - rows, batch - 1)) * (self.k * 2)
-                copy_to_shared(stage + (u // per_row) * (self.stage_rows * SWIZZLED_ROW_BYTES)
+                copy_to_shared(stage + (u // per_row) * self.half_bytes
                                + r * SWIZZLED_ROW_BYTES
                                + ((u % per_row) ^ (r % per_row)) * VECTOR_BYTES,
                                at + Int64(chunk * STAGED_CHUNK + u * VECTOR) * 2)
