@@ -44,8 +44,8 @@ class CONTROL:
 
     CALLS = 0  # all-reduces this rank has completed since arm(): the next uses buffer CALLS % 2
     FAILED = 1  # nonzero: a rank's wait gave up; every kernel on the mailbox writes NaN, waits not
-    TIMED_OUT = 2  # 1 + CALLS of the call in which this rank's own wait gave up (0: never)
-    MISSING = 3  # bit q: this rank's wait gave up on rows of rank q
+    TIMED_OUT = 2  # CALLS at the start of the call in which this rank's own wait gave up
+    MISSING = 3  # bit q: this rank's wait gave up on rows of rank q (0: it never gave up)
     WAITER = 4  # which kernel gave up (WAITERS)
     ARRIVALS = 5  # CTAs of the running call's last kernel done with CALLS (the last advances it)
     WORDS = 8

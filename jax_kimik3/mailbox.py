@@ -433,7 +433,7 @@ class Mailbox:
 
     def timed_out(self) -> list[int]:
         """The ranks whose own wait gave up since the last `arm`."""
-        return [r for r, words in enumerate(self.control()) if words[CONTROL.TIMED_OUT]]
+        return [r for r, words in enumerate(self.control()) if words[CONTROL.MISSING]]
 
     def check(self):
         """Raise TimeoutError if a wait on this mailbox gave up since the last `arm`: which
@@ -441,11 +441,11 @@ class Mailbox:
         words = self.control()
         failures = []
         for rank, w in enumerate(words):
-            if w[CONTROL.TIMED_OUT]:
+            if w[CONTROL.MISSING]:
                 missing = [q for q in range(self.tp) if int(w[CONTROL.MISSING]) >> q & 1]
                 failures.append(
                     f"rank {rank} ({WAITERS.get(int(w[CONTROL.WAITER]), 'a kernel')}) gave up "
-                    f"in call {int(w[CONTROL.TIMED_OUT])} since arm() waiting for rows of "
+                    f"in call {int(w[CONTROL.TIMED_OUT]) + 1} since arm() waiting for rows of "
                     f"rank(s) {missing}")
         if failures or words[:, CONTROL.FAILED].any():
             failed = [r for r in range(self.tp) if words[r, CONTROL.FAILED]]

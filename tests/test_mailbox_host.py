@@ -223,19 +223,22 @@ def test_read_refuses_what_is_outside_the_buffer(driver, args, pattern):
             mailbox.read(rank, offset, nbytes)
 
 
-def test_check_reports_calls_past_two_to_the_31(driver):
-    """The control words are unsigned: a call number past 2³¹ is reported as it is."""
+@pytest.mark.parametrize("calls, reported", [(0x80000005, "2147483654"),
+                                              (0xFFFFFFFF, "4294967296")])
+def test_check_reports_calls_past_two_to_the_31(driver, calls, reported):
+    """The control words are unsigned: a call number past 2³¹ is reported as it is, and so is
+    the 2³²-th call (CALLS = 2³² − 1 at its start)."""
     driver()
     with Mailbox([0, 1], MailboxLayout(2)) as mailbox:
-        poke(mailbox, 0, CONTROL.CALLS, 0x80000005)
-        assert mailbox.calls() == [0x80000005, 0]
-        for word, value in ((CONTROL.TIMED_OUT, 0x80000006), (CONTROL.FAILED, 1),
+        poke(mailbox, 0, CONTROL.CALLS, calls)
+        assert mailbox.calls() == [calls, 0]
+        for word, value in ((CONTROL.TIMED_OUT, calls), (CONTROL.FAILED, 1),
                             (CONTROL.MISSING, 0b10), (CONTROL.WAITER, 1)):
             poke(mailbox, 0, word, value)
         assert mailbox.timed_out() == [0]
-        with pytest.raises(TimeoutError, match=r"rank 0 \(all-reduce consumer\) gave up in "
-                                               r"call 2147483654 since arm\(\) waiting for rows "
-                                               r"of rank\(s\) \[1\]"):
+        with pytest.raises(TimeoutError, match=rf"rank 0 \(all-reduce consumer\) gave up in "
+                                               rf"call {reported} since arm\(\) waiting for rows "
+                                               rf"of rank\(s\) \[1\]"):
             mailbox.check()
         mailbox.arm()
         assert mailbox.calls() == [0, 0] and mailbox.unarmed() == 0

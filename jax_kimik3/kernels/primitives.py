@@ -620,7 +620,7 @@ def give_up(wait, peer):
     the mailbox failed (their later waits stop, their kernels write NaN until a host re-arm)."""
     lay = wait.layout
     or_word(wait.mine + Int64(lay.word(CONTROL.MISSING)), Uint32(1) << Uint32(peer))
-    store_word(wait.mine + Int64(lay.word(CONTROL.TIMED_OUT)), wait.call + Uint32(1))
+    store_word(wait.mine + Int64(lay.word(CONTROL.TIMED_OUT)), wait.call)
     store_word(wait.mine + Int64(lay.word(CONTROL.WAITER)), Uint32(wait.waiter))
     for q in cutlass.range_constexpr(lay.tp):
         store_word(address_of(wait.table, q) + Int64(lay.word(CONTROL.FAILED)), Uint32(1))
