@@ -32,9 +32,16 @@ PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS
 # wgmma against mma.sync on the staged operands, on an H100 (session 32): K = 1536 at B = 16 /
 # 32 / 64: 9.24 / 9.67 / 10.10 against 9.33 / 10.12 / 11.05; K = 6144: 32.93 / 33.50 / 34.68
 # against 32.97 / 34.46 / 36.23; one TP8 rank's two-shot tail at B = 64: 22.27 against 24.06.
+# Staged on wgmma from one B tile at K = 1536 against streamed, on an H100 (session 33): plain
+# kernel 8.96 / 8.87 against 9.27 / 9.54 at B = 1 / 8, one TP8 rank's split tail 14.53 / 14.95
+# against 14.44 / 15.28; not yet measured on an H200, where the table was set.
 STAGED_TILES = {768: 2, 1536: 2}
-STAGED_GROUPS = 4  # wgmma's M = 64 rows: one group per warp of a warpgroup
-STAGED_CHUNK = 128  # two 64-wide k halves (a 128-byte swizzled row each), one per warpgroup
+WARPGROUP = 4  # warps that issue one wgmma together
+# A K-major operand row of the 128-byte shared-memory swizzle wgmma reads: 64 bf16 of k.
+SWIZZLED_ROW_BYTES = 128
+STAGED_GROUPS = WARPGROUP  # wgmma's M = 64 rows: one 16-row group per warp of a warpgroup
+# 128: a 64-wide k half (one swizzled row) per warpgroup of the CTA
+STAGED_CHUNK = PRODUCER_WARPS // WARPGROUP * SWIZZLED_ROW_BYTES // 2
 STAGED_STAGES = 4
 # The streamed producer's register budgets (.minnctapersm: CTAs per SM) at one B tile by K:
 # (plain product, one-shot publish); none when it publishes two-shot. The budget decides how

@@ -38,7 +38,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_kimik3.kernels.geometry import VECTOR, VECTOR_BYTES, WARP
+from jax_kimik3.kernels.geometry import SWIZZLED_ROW_BYTES, VECTOR, VECTOR_BYTES, WARP
 from jax_kimik3.layout import CONTROL, POLL_PAUSE_NS, SENTINEL
 
 NEG_ZERO_BF16 = 0x8000
@@ -336,7 +336,6 @@ def mma_bf16(a, b, c, *, loc=None, ip=None):
 # wgmma (sm_90a): a warpgroup's multiply-accumulate from two operands in shared memory, each
 # K-major in 128-byte swizzled rows: row r of an operand's 64-wide k slice is 128 bytes at r·128,
 # its 16-byte unit u at u ^ (r % 8), the slice 1024-byte aligned (the descriptor's base).
-SWIZZLED_ROW_BYTES = 128
 # Descriptor bits 32-63: 8-row groups 1024 bytes apart (the stride, in 16-byte units), 128-byte
 # swizzle (layout type 1 at bit 62); bits 0-13 are the start address in 16-byte units.
 _DESCRIPTOR_HIGH = ((8 * SWIZZLED_ROW_BYTES) >> 4 << 32) | (1 << 62)

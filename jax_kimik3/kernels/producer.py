@@ -41,15 +41,14 @@ from cutlass import Float32, Int32, Int64
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.geometry import PRODUCER_WARPS as WARPS
 from jax_kimik3.kernels.geometry import (PRODUCER_BUDGETS, ROWS, STAGED_CHUNK, STAGED_GROUPS,
-                                         STAGED_STAGES, STAGED_TILES, TOKENS, VECTOR,
-                                         VECTOR_BYTES, WARP)
+                                         STAGED_STAGES, STAGED_TILES, SWIZZLED_ROW_BYTES,
+                                         TOKENS, VECTOR, VECTOR_BYTES, WARP)
 from jax_kimik3.kernels.lamport import publish_words
-from jax_kimik3.kernels.primitives import (SWIZZLED_ROW_BYTES, call_of, commit_copies,
-                                           copy_to_shared, f32_to_words, fence_async_shared,
-                                           fence_system, let_next_launch, load_words, mma_bf16,
-                                           store_words, stream_words, wait_for_copies,
-                                           warpgroup_commit, warpgroup_fence, warpgroup_wait,
-                                           wgmma_bf16, without_negative_zero)
+from jax_kimik3.kernels.primitives import (call_of, commit_copies, copy_to_shared, f32_to_words,
+                                           fence_async_shared, fence_system, let_next_launch,
+                                           load_words, mma_bf16, store_words, stream_words,
+                                           wait_for_copies, warpgroup_commit, warpgroup_fence,
+                                           warpgroup_wait, wgmma_bf16, without_negative_zero)
 from jax_kimik3.kernels.variants import Publish
 
 STEP = 4 * VECTOR  # k per warp step: 4 lanes x 16 bytes, two mma k-blocks
