@@ -4,6 +4,8 @@ tail's tables change, with and without statistics ahead; and what the library co
 call that reads its batch at run time was traced at a symbolic batch (traced only: nothing
 compiles)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -111,3 +113,16 @@ def test_recording_sees_what_jax_had_cached():
 
     first = names()
     assert first and names() == first
+
+
+def test_a_tabled_fused_tail_runs_split_where_it_cannot(monkeypatch):
+    """A table entry naming the fused tail (one-shot, without statistics ahead; none does
+    today) runs it where it can, and the split tail where two-shot or statistics ahead is
+    asked for or tabled (TP 8 runs two-shot from B = 24)."""
+    from jax_kimik3 import tuning
+    monkeypatch.setitem(tuning.TAIL_VARIANTS, 1536, ((64, "fused"),))
+    split = functools.partial(oproj.TailChoice, "split")
+    assert oproj.choose(8, 1536, 8, False) == oproj.TailChoice("fused", False, batch=8)
+    assert oproj.choose(8, 1536, 8, True) == split(False, oproj.tiles(8))
+    assert oproj.choose(8, 1536, 8, False, two_shot=True) == split(True, oproj.tiles(8))
+    assert oproj.choose(32, 1536, 8, False) == split(True, oproj.tiles(32))
