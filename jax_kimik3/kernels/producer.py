@@ -203,7 +203,7 @@ class OprojProducer:
         every chunk: the CTA copies chunk c + STAGES - 1 of its w rows and of x into shared
         memory while each warpgroup multiplies its half of chunk c. A buffer holds a chunk's
         two 64-wide k halves, each its rows (w's, then x's) K-major in 128-byte swizzled rows
-        (primitives.SWIZZLED_ROW_BYTES)."""
+        (geometry.SWIZZLED_ROW_BYTES)."""
         tiles, k, groups = self.tiles, self.k, self.groups
         half_bytes = self.half_bytes
         stage_bytes = 2 * half_bytes
