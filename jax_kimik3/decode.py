@@ -35,10 +35,15 @@ def check_virtual_tp(virtual_tp):
     return virtual_tp
 
 
-def param_shapes(num_layers, virtual_tp=None):
-    """The step's parameters as ShapeDtypeStructs (bf16): what `init_params` makes."""
+def _check_layers(num_layers, virtual_tp):
+    """Refuse a layer count outside 1..KIMI_K3.num_layers or a virtual TP no o_proj split has."""
     check_int("num_layers", num_layers, 1, KIMI_K3.num_layers)
     check_virtual_tp(virtual_tp)
+
+
+def param_shapes(num_layers, virtual_tp=None):
+    """The step's parameters as ShapeDtypeStructs (bf16): what `init_params` makes."""
+    _check_layers(num_layers, virtual_tp)
     s = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
     site = AttnResWeights(s((H,)), s((H,)), s((H,)))
     o_proj = s((virtual_tp, H, K // virtual_tp)) if virtual_tp else s((H, K))
@@ -50,8 +55,7 @@ def param_shapes(num_layers, virtual_tp=None):
 def init_params(key, mesh, num_layers, virtual_tp=None):
     """Random weights, created on `mesh`: o_proj and the attention stand-in split along K
     (with `virtual_tp`, o_proj held as the ranks' shards [TP, H, K/TP] on the one device)."""
-    check_int("num_layers", num_layers, 1, KIMI_K3.num_layers)
-    check_virtual_tp(virtual_tp)
+    _check_layers(num_layers, virtual_tp)
     split = NamedSharding(mesh, P(None, AXIS))
     whole = NamedSharding(mesh, P())
 
