@@ -108,7 +108,9 @@ class Mailbox:
     how long a kernel's wait for a peer may last before it gives up (writes NaN, marks the
     mailbox failed; `check()` raises it). Also a context manager. A mailbox collected open, or
     still open at interpreter exit, waits for its devices and is freed then: keep the mailbox
-    itself, not only its `peer_table`, while kernels use its buffers.
+    itself, not only its `peer_table`, while kernels use its buffers. A freed mailbox's
+    address ranges stay reserved: a kernel still given its peer table faults (an illegal
+    address), it never reaches memory allocated since.
     """
 
     def __init__(self, ordinals, layout: MailboxLayout, *, multicast=False,
@@ -477,17 +479,19 @@ class Mailbox:
 
     @staticmethod
     def _free(cu, buffers, multicast):
+        """Unmap and release the memory, and keep each virtual range reserved, unmapped, for
+        the life of the process: a peer table kept past its mailbox then points at addresses
+        no later allocation (another mailbox, XLA's) can get, and a kernel given it faults
+        with an illegal address instead of writing into someone else's memory."""
         raw = cu.cu
         for address, size, handle, ordinals in multicast:
             raw.cuMemUnmap(address, size)
-            raw.cuMemAddressFree(address, size)
             for ordinal in ordinals:
                 raw.cuMulticastUnbind(handle, raw.cuDeviceGet(ordinal)[1], 0, size)
             raw.cuMemRelease(handle)
         multicast.clear()
         for address, size, handle in buffers:
             raw.cuMemUnmap(address, size)
-            raw.cuMemAddressFree(address, size)
             raw.cuMemRelease(handle)
         buffers.clear()
 

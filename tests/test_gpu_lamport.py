@@ -2,6 +2,11 @@
 what happens when a peer never comes or comes late (docs/protocol.md, Timeouts)."""
 
 import functools
+import os
+import re
+import subprocess
+import sys
+import textwrap
 import time
 
 import jax
@@ -222,3 +227,33 @@ def test_odd_layer_count_and_shared_mailbox(rng, mailboxes):
         for got, partials in zip((x, y, z), parts):
             assert_all_reduced(np.asarray(got), partials, mailbox)
     assert mailbox.calls() == [c + 30 for c in before]
+
+
+STALE_TABLE = """
+    import jax, jax.numpy as jnp, numpy as np
+    import jax_kimik3 as k3
+    rows = jnp.ones((2, 4, k3.KIMI_K3.hidden_size), jnp.bfloat16)
+    old = k3.Mailbox.virtual(jax.devices()[0], 2)
+    spec, table, addresses = old.spec, old.peer_table.copy(), set(old.addresses)
+    reduce = jax.jit(lambda rows, table: k3.all_reduce_virtual(rows, spec, peer_table=table))
+    print("live table:", float(np.asarray(reduce(rows, table), np.float32).min()), flush=True)
+    old.close()
+    new = k3.Mailbox.virtual(jax.devices()[0], 2)
+    print("a later mailbox reuses", len(addresses & set(new.addresses)), "addresses", flush=True)
+    print("stale table:", float(np.asarray(reduce(rows, table), np.float32).min()), flush=True)
+"""
+
+
+def test_a_stale_peer_table_faults():
+    """A peer table kept past its mailbox's close, handed to the all-reduce again after a new
+    mailbox was made: the closed mailbox's address ranges stay reserved (jax_kimik3/mailbox.py,
+    `_free`), so the new one lies elsewhere and the kernel faults (an illegal address, fatal
+    to its process, hence a child process) instead of summing in the new mailbox's slots."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(STALE_TABLE)],
+                            capture_output=True, text=True, timeout=300,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "live table: 2.0" in result.stdout, result.stderr[-2000:]
+    assert "a later mailbox reuses 0 addresses" in result.stdout
+    assert "stale table:" not in result.stdout and result.returncode != 0
+    assert re.search(r"illegal (memory access|address)|ILLEGAL_ADDRESS", result.stderr), \
+        result.stderr[-2000:]

@@ -31,6 +31,7 @@ class FakeDriver:
     def __init__(self, devices=8, fail_at=None):
         self.devices, self.fail_at, self.calls = devices, fail_at, []
         self.handles, self.ranges, self.mapped, self.contexts = set(), {}, set(), {}
+        self.retired = {}  # address → size of the ranges unmapped and still reserved
         self.bound = {}  # multicast handle → devices whose memory is bound to it
         self._next = 1
 
@@ -61,9 +62,11 @@ class FakeDriver:
         return self._next
 
     def leaks(self):
-        """What is still held: handles, address ranges, mappings, context references."""
+        """What is still held: handles, address ranges (other than the unmapped ones Mailbox
+        keeps reserved), mappings, context references."""
         return {name: held for name, held in (
-            ("handles", self.handles), ("ranges", set(self.ranges)), ("mapped", self.mapped),
+            ("handles", self.handles), ("ranges", set(self.ranges) - set(self.retired)),
+            ("mapped", self.mapped),
             ("bound", {h: n for h, n in self.bound.items() if n}), ("contexts", {d: n for d, n in self.contexts.items() if n}))
             if held}
 
@@ -93,12 +96,19 @@ class FakeDriver:
         return ()
 
     def _cuMemAddressReserve(self, size, alignment, address, flags, out=None):
-        memory = ctypes.create_string_buffer(size)
-        self.ranges[ctypes.addressof(memory)] = memory
-        return (ctypes.addressof(memory),)
+        held = []  # host memory at a still-reserved range: the driver never gives one out twice
+        while True:
+            memory = ctypes.create_string_buffer(size)
+            at = ctypes.addressof(memory)
+            if not any(a < at + size and at < a + n for a, n in self.retired.items()):
+                break
+            held.append(memory)
+        self.ranges[at] = memory
+        return (at,)
 
     def _cuMemAddressFree(self, address, size):
         del self.ranges[address]
+        self.retired.pop(address, None)
         return ()
 
     def _cuMemMap(self, address, size, offset, handle, flags):
@@ -108,6 +118,7 @@ class FakeDriver:
 
     def _cuMemUnmap(self, address, size):
         self.mapped.remove(address)
+        self.ranges[address], self.retired[address] = None, size  # the host memory goes
         return ()
 
     def _cuMulticastGetGranularity(self, prop, flags, out=None): return (1 << 21,)
@@ -182,6 +193,26 @@ def test_close_frees_everything_and_refuses_later_use(driver):
     for use in (mailbox.arm, mailbox.check, mailbox.calls, lambda: mailbox.read(0, 0, 4)):
         with pytest.raises(ValueError, match=r"is closed"):
             use()
+
+
+@pytest.mark.parametrize("ordinals", ORDINALS.values(), ids=ORDINALS.keys())
+def test_a_freed_mailbox_keeps_its_address_ranges_reserved(driver, monkeypatch, ordinals):
+    """Closed, then collected: its memory is released and every range it handed out (each
+    rank's buffer, the multicast mapping) stays reserved and unmapped, so a stale peer table
+    can only fault (tests/test_gpu_lamport.py has the fault)."""
+    for name in mailbox_module.MULTICAST_OFF:
+        monkeypatch.delenv(name, raising=False)
+    fake = driver()
+    multicast = len(set(ordinals)) == 4
+    mailbox = Mailbox(ordinals, MailboxLayout(len(ordinals)), multicast=multicast)
+    table = mailbox.peer_table.copy()
+    addresses = {int(a) for a in table.view(np.uint64).ravel() if a}
+    assert len(addresses) == len(ordinals) + multicast
+    mailbox.close()
+    del mailbox
+    gc.collect()
+    assert fake.leaks() == {} and "cuMemAddressFree" not in fake.calls
+    assert set(fake.retired) == addresses and not fake.mapped & addresses
 
 
 def test_a_collected_mailbox_waits_for_its_devices_before_freeing(driver):
