@@ -121,6 +121,10 @@ def dsl_lib_dir() -> pathlib.Path:
 
 def build(tps, num_layers, out: pathlib.Path, jobs: int) -> dict:
     """Generate, compile and link; returns the timings, counts and size."""
+    if not (SOURCE_DIR / "CMakeLists.txt").is_file():
+        raise FileNotFoundError(
+            f"the library's sources ({SOURCE_DIR}/CMakeLists.txt) are absent: ffi/ is not "
+            "installed with the package; build from a source checkout or an editable install")
     start = time.perf_counter()
     gen = out / "gen"
     shutil.rmtree(gen, ignore_errors=True)

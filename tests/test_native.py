@@ -181,6 +181,15 @@ def test_a_stale_library_is_refused(built, monkeypatch):
         assert "CuteDSLRT_NvJaxCutlassCall" in call_outside_the_catalog()
 
 
+def test_a_build_without_the_sources_is_refused_before_tracing(tmp_path, monkeypatch):
+    """An install without ffi/ (not an editable one) names what is missing at once, instead
+    of tracing the catalog and failing in CMake."""
+    monkeypatch.setattr(native_build, "SOURCE_DIR", tmp_path / "ffi")
+    monkeypatch.setattr(native_build, "record_calls", lambda *a: pytest.fail("traced"))
+    with pytest.raises(FileNotFoundError, match="CMakeLists.txt.*source checkout"):
+        native_build.build((2,), 1, tmp_path / "out", jobs=1)
+
+
 def test_aot_without_a_library_and_bad_modes_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(native.LIBRARY_ENV, str(tmp_path / "missing.so"))
     with pytest.raises(FileNotFoundError, match="missing.so does not exist"):
