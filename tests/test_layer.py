@@ -131,6 +131,7 @@ def test_post_attention_virtual(rng, index, ahead):
     assert out.shape == prefix.shape == (tp, b, H)
     for r in range(tp):
         np.testing.assert_array_equal(out[r], out[0])
+        np.testing.assert_array_equal(prefix[r], prefix[0])
     oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=tp, num_blocks=site.num_blocks,
                              has_delta=site.has_delta)
     tail = k3.AttentionTail(plan).post_attention_virtual(
@@ -141,5 +142,8 @@ def test_post_attention_virtual(rng, index, ahead):
         acc, m, s = oracle.statistics(inp.blocks, later.res_norm_w, later.res_proj_w,
                                       num_blocks=site.num_blocks)
         mixture, scal = map(np.asarray, results[3])
-        np.testing.assert_allclose(scal[tp - 1], np.stack([m, s], -1), rtol=oracle.F32_RTOL)
+        scale = np.abs(oracle.f64(inp.blocks)[:, :site.num_blocks]).sum(1)
+        for r in range(tp):
+            np.testing.assert_allclose(scal[r], np.stack([m, s], -1), rtol=oracle.F32_RTOL)
+            assert (np.abs(oracle.f64(mixture[r]) - acc) <= oracle.F32_RTOL * scale).all()
         np.testing.assert_array_equal(np.asarray(tail[3][0]), mixture[0])

@@ -307,8 +307,8 @@ def test_tail_holds_its_inputs_over_few_rows(tmp_path, variant, b, holding):
 @pytest.mark.parametrize("kind", ["all_reduce", "two_shot", "split", "xla", "fused"])
 def test_memory_model_in_ptx(tmp_path, kind):
     """Every mailbox kernel family emits the stores, polls and fences docs/protocol.md
-    states, and no weak global store or load of a mailbox word (ld.volatile is gone too);
-    its pollers put every slot's first poll in flight at once."""
+    states (ld.volatile is gone); its pollers put every slot's first poll in flight at once
+    and re-arm the slots they read with strong stores only."""
     if kind in ("all_reduce", "two_shot"):
         ptx = kept_ptx(f"""
 import jax, jax.numpy as jnp
@@ -355,3 +355,10 @@ jax.jit(f).trace(jax.ShapeDtypeStruct((1, 8, 7168), jnp.bfloat16)).lower(
                  else FUSED_POLLS_AHEAD + 1 if "Fused" in name else 4)
         before = body[:armed.search(body).start()]
         assert before.count("ld.relaxed.sys.global.v4.u32") >= 1 + slots, name
+        # ... and re-arms what it read with strong stores only: every store of a register
+        # that holds SENTINEL is st.relaxed.sys, at least one 16-byte word per slot.
+        held = set(re.findall(rf"mov\.b32\s+(%r\d+), {SENTINEL - (1 << 32)};", body))
+        rearms = [op for op, regs in re.findall(r"\b(st\.[\w.]+)\s+\[[^\]]*\],\s*([^;]*);", body)
+                  if held & set(re.findall(r"%r\d+", regs))]
+        assert len(rearms) >= slots and set(rearms) == {"st.relaxed.sys.global.v4.b32"}, (
+            name, rearms)
