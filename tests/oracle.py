@@ -119,6 +119,31 @@ def tail_products(x, w, tp):
     return oproj_partials(x_shards, w_shards), dot_scale(x_shards, w_shards)
 
 
+# bf16 values of 3-bit significands: ±1..7 · 2^-3..0. A product of two is a multiple of 2^-6
+# no larger than 49, so an fp32 sum of them is exact while it stays below 2^18 in magnitude
+# (a sum of 12288 random-signed products has σ of about 600).
+SHORT_BF16 = np.array([sign * i * 2.0**-e for sign in (-1, 1) for i in range(1, 8)
+                       for e in range(4)], np.float32).astype(BF16)
+
+
+def exact_oproj_inputs(rng, batch, k_total, hidden):
+    """(x [B, K], w [H, K]) of SHORT_BF16 values: every rank's o_proj dot is exact in fp32, so
+    its published row is the float64 value rounded once, and the all-reduce's own rounding
+    alone decides each reduced element (a sum rounded at each add differs in many)."""
+    def draw(shape):
+        return SHORT_BF16[rng.integers(0, SHORT_BF16.size, shape, dtype=np.uint8)]
+    return draw((batch, k_total)), draw((hidden, k_total))
+
+
+def exact_tail_prefix(x, w, prefix, *, tp, has_delta):
+    """The new prefix of a tail on `exact_oproj_inputs` split over `tp` ranks, bit for bit:
+    the ranks' rows summed in fp32 in rank order and rounded once, then added to `prefix`."""
+    shards = np.split(np.arange(x.shape[1]), tp)
+    attn_out = rank_order_sum(oproj_partials([x[:, s] for s in shards],
+                                             [w[:, s] for s in shards]))
+    return prefix_update(prefix, attn_out) if has_delta else attn_out
+
+
 def assert_tail_close(out, prefix, x, w, inp, *, tp, num_blocks, has_delta, products=None):
     """One rank's post-attention tail (out, new prefix) from x [B, K], w [H, K] split over `tp`
     ranks along K, and AttnResInputs `inp`, against this model (`products`: their

@@ -66,10 +66,10 @@ def bf16(a):
 @pytest.mark.parametrize("b", [1, 8, 33, 64])
 @pytest.mark.parametrize("tp", [2, 4, 8, 16])
 def test_virtual_all_reduce(rng, mailboxes, tp, b, two_shot):
-    partials = bf16(rng.standard_normal((tp, b, H), np.float32))
     mailbox = mailboxes(tp)
     before = mailbox.calls()
-    for _ in range(2):  # two calls: the mailbox's two buffers in turn
+    for _ in range(2):  # two calls, fresh rows each: the mailbox's two buffers in turn
+        partials = bf16(rng.standard_normal((tp, b, H), np.float32))
         assert_all_reduced(run(partials, mailbox, two_shot), partials, mailbox)
     assert mailbox.calls() == [c + 2 for c in before]  # every rank's counter, once per call
 

@@ -93,13 +93,15 @@ def test_post_attention_tail_on_a_mesh(rng, b, layer, ahead):
         assert mailbox.unarmed() == 0
     for r in range(1, tp):
         np.testing.assert_array_equal(out[r].view(np.uint16), out[0].view(np.uint16))
+        np.testing.assert_array_equal(prefix[r].view(np.uint16), prefix[0].view(np.uint16))
     oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=tp, num_blocks=site.num_blocks,
                              has_delta=site.has_delta)
     if ahead:
         mixture, scal = map(np.asarray, results[2])
         acc, m, s = oracle.statistics(inp.blocks, later.res_norm_w, later.res_proj_w,
                                       num_blocks=site.num_blocks)
-        np.testing.assert_allclose(scal[0], np.stack([m, s], -1), rtol=oracle.F32_RTOL,
-                                   atol=oracle.F32_RTOL)
         scale = np.abs(oracle.f64(inp.blocks)[:, :site.num_blocks]).sum(1)
-        assert (np.abs(oracle.f64(mixture[0]) - acc) <= oracle.F32_RTOL * scale).all()
+        for r in range(tp):
+            np.testing.assert_allclose(scal[r], np.stack([m, s], -1), rtol=oracle.F32_RTOL,
+                                       atol=oracle.F32_RTOL)
+            assert (np.abs(oracle.f64(mixture[r]) - acc) <= oracle.F32_RTOL * scale).all()

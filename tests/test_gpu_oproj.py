@@ -197,10 +197,34 @@ def test_two_shot_tail_matches_model(rng, tp, b, layer):
                 num_blocks=site.num_blocks, has_delta=site.has_delta, two_shot=True))
             for r in range(1, tp):
                 np.testing.assert_array_equal(out[r].view(np.uint16), out[0].view(np.uint16))
+                np.testing.assert_array_equal(prefix[r].view(np.uint16),
+                                              prefix[0].view(np.uint16))
             oracle.assert_tail_close(out[0], prefix[0], x, w, inp, tp=tp,
                                      num_blocks=site.num_blocks, has_delta=site.has_delta)
             mailbox.check()
         assert mailbox.unarmed() == 0
+
+
+@pytest.mark.parametrize("layer", [12, 46])  # without and with the delta
+@pytest.mark.parametrize("variant, two_shot, b", [
+    ("split", False, 5), ("split", False, 33), ("split", True, 33), ("xla", False, 5),
+    ("xla", True, 64), ("fused", False, 5)])
+def test_tail_sums_in_fp32_in_rank_order(rng, variant, two_shot, b, layer):
+    """At TP 8, on inputs whose o_proj rows are exact (`oracle.exact_oproj_inputs`), every
+    rank's new prefix is bit for bit the rows summed in fp32 in rank order and rounded once:
+    the bound of `assert_tail_close` cannot tell that sum from one rounded at each add."""
+    tp, site = 8, KIMI_K3.layer(layer).post_attention
+    inp = attn_res_inputs(rng, b, NB)
+    x, w = oracle.exact_oproj_inputs(rng, b, K_TOTAL, H)
+    want = oracle.exact_tail_prefix(x, w, inp.prefix, tp=tp, has_delta=site.has_delta)
+    with Mailbox.virtual(jax.devices()[0], tp) as mailbox:
+        prefix = np.asarray(tail_virtual(
+            split(x, tp), split(w, tp), jax.device_put(inp), mailbox, poison=True,
+            num_blocks=site.num_blocks, has_delta=site.has_delta, variant=variant,
+            two_shot=two_shot)[1])
+        mailbox.check()
+    for r in range(tp):
+        np.testing.assert_array_equal(prefix[r].view(np.uint16), want.view(np.uint16))
 
 
 @pytest.mark.parametrize("variant", ["split", "xla", "fused"])

@@ -115,6 +115,29 @@ def test_post_attention_statistics_ahead(rng, index, num_layers):
     oracle.assert_bf16_close(got, want, "next site's out")
 
 
+@pytest.mark.parametrize("index", [12, 13])  # without and with the delta
+@pytest.mark.parametrize("tp", [4, 8])
+def test_post_attention_sums_in_fp32_in_rank_order(rng, tp, index):
+    """On inputs whose o_proj rows are exact, every rank's new prefix is bit for bit the
+    ranks' rows summed in fp32 in rank order and rounded once (then the delta add); these
+    inputs tell that sum from one rounded to bf16 at each add."""
+    site, b = k3.KIMI_K3.layer(index).post_attention, 3
+    inp = attn_res_inputs(rng, b, NB)
+    x, w = oracle.exact_oproj_inputs(rng, b, k3.KIMI_K3.o_proj_in_features, H)
+    xs, ws = (np.stack(np.split(a, tp, axis=-1)) for a in (x, w))
+    prefix = np.asarray(k3.oproj_attn_res_virtual(
+        xs, ws, inp.prefix, inp.blocks, *weights(inp), num_blocks=site.num_blocks,
+        has_delta=site.has_delta)[1])
+    want = oracle.exact_tail_prefix(x, w, inp.prefix, tp=tp, has_delta=site.has_delta)
+    for r in range(tp):
+        np.testing.assert_array_equal(prefix[r].view(np.uint16), want.view(np.uint16))
+    partials = oracle.oproj_partials(list(xs), list(ws))
+    running = partials[0]
+    for p in partials[1:]:
+        running = oracle.to_bf16(oracle.f64(running) + oracle.f64(p))
+    assert (running != oracle.rank_order_sum(partials)).mean() > 0.05
+
+
 @pytest.mark.parametrize("index,ahead", [(0, False), (3, True), (46, False)])
 def test_post_attention_virtual(rng, index, ahead):
     """Every rank on one device (the reference path): each rank's result within bf16 of the
