@@ -48,7 +48,13 @@ def test_each_shape_requests_its_bytes_at_once(tmp_path, shape):
     """, tmp_path)
     (body,) = [body for name, body in entries(ptx) if "StreamRead" in name]
     if shape.form == "loads":
-        assert len(re.findall(r"ld\.global\.v4", body)) == shape.per_thread
+        lines = body.splitlines()
+        loads = [i for i, line in enumerate(lines) if re.search(r"ld\.global\.v4", line)]
+        assert len(loads) == shape.per_thread
+        loaded = {r for i in loads for r in re.findall(r"%\w+", lines[i].split("[")[0])}
+        uses = [i for i, line in enumerate(lines)
+                if i not in loads and loaded & set(re.findall(r"%\w+", line))]
+        assert uses and max(loads) < min(uses)  # every load in flight before the first use
         assert ".minnctapersm" in ptx
     else:
         copy = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
