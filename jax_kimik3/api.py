@@ -223,6 +223,8 @@ def _check_tail(check, x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
     if rows is not None and check.array("x", x, (rows[0], None), jnp.bfloat16):
         k = x.shape[1]
         check.array("w", w, (rows[1], k), jnp.bfloat16)
+        if k < 1:
+            check.fail(f"x has K={k} columns; must be >= 1")
         if rows[1] == KIMI_K3.hidden_size and ranks is not None and (
                 k * ranks != KIMI_K3.o_proj_in_features):
             check.fail(f"x has K={k} columns per rank at TP={ranks}: {k * ranks} in all; "
@@ -241,6 +243,9 @@ def _check_tail(check, x, w, prefix, blocks, res_norm_w, res_proj_w, out_norm_w,
             check_fits(check, "prefix", rows, spec, virtual=virtual, ranks=ranks)
     elif backend == "kernel":
         check.fail("backend='kernel' needs mailbox= (the all-reduce's peer buffers)")
+    elif peer_table is not None:
+        check.fail(f"peer_table (shape {getattr(peer_table, 'shape', None)}) is a mailbox's, "
+                   "and mailbox=None: without one the tail sums by psum and would not use it")
 
 
 def _with_ahead(results, blocks, ahead, num_blocks, eps):

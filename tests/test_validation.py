@@ -96,6 +96,14 @@ ATTN_RES_CASES = [
     ("unhashable num_blocks", {}, dict(num_blocks=[2]),
      r"num_blocks=\[2\] is a static argument and must be hashable \(got an unhashable list\)"),
     ("backend", {}, dict(backend="gpu"), r"backend='gpu' must be one of \('auto', 'kernel'"),
+    ("eps past float", {}, dict(eps=10**400), r"eps=10{400} must be a finite number > 0"),
+    ("eps str with stats", dict(stats=k3.AttnResStatistics(spec((4, H), jnp.float32),
+                                                           spec((4, 2), jnp.float32), 2)),
+     dict(eps="abc"), r"eps='abc' must be a finite number > 0"),
+    ("stats eps no number", dict(stats=k3.AttnResStatistics(spec((4, H), jnp.float32),
+                                                            spec((4, 2), jnp.float32), 2, "x")),
+     {}, r"stats.eps='x' must be the number attn_res_statistics took"),
+    ("no hidden", attn_args(h=0), {}, r"prefix has H=0; must be >= 1"),
 ]
 
 
@@ -186,6 +194,7 @@ def test_oproj_attn_res_rejects_ahead(ahead, pattern):
     (spec((2, 4, 48)), spec((2, H, 40)),
      r"w has shape=\(256, 40\) dtype=bfloat16; expected shape=\(256, 48\)"),
     (spec((0, 4, 48)), spec((0, H, 48)), r"x has shape=\(0, 4, 48\) .* with TP >= 1"),
+    (spec((2, 4, 0)), spec((2, H, 0)), r"x has K=0 columns; must be >= 1"),
 ])
 def test_oproj_attn_res_virtual_rejects(x, w, pattern):
     with pytest.raises(ValueError, match=r"^oproj_attn_res_virtual: .*" + pattern):
@@ -236,6 +245,8 @@ TAIL_CASES = [
     ("ahead of one", dict(ahead=(spec((H,)),)), r"ahead must be a \(res_norm_w, res_proj_w\) pair"),
     ("ahead None weight", dict(ahead=(spec((H,)), None)),
      r"ahead\[1\] \(res_proj_w\)=None: a bf16 \[256\] weight is required"),
+    ("peer table without mailbox", dict(peer_table=np.zeros((3, 2), np.uint32)),
+     r"peer_table \(shape \(3, 2\)\) is a mailbox's, and mailbox=None"),
 ]
 
 
