@@ -75,6 +75,14 @@ def statistics(blocks, g, w, *, num_blocks, eps=1e-5):
     return np.einsum("bk,bkh->bh", e, saved), m, e.sum(-1)
 
 
+def assert_mixture_close(mixture, acc, blocks, num_blocks):
+    """fp32 `mixture` [B, H] against the float64 `acc` of `statistics`: it cancels
+    element-wise, so its error is bounded by F32_RTOL of the terms' magnitudes, Σ_k |b_k|."""
+    scale = np.abs(f64(blocks)[:, :num_blocks]).sum(1)
+    err = np.abs(f64(mixture) - acc)
+    assert (err <= F32_RTOL * scale).all(), f"mixture off by {np.nanmax(err):.3g}"
+
+
 def oproj_partials(x_shards, w_shards):
     """Each rank's o_proj rows, computed in float64 and published as bf16."""
     return [to_bf16(f64(x) @ f64(w).T) for x, w in zip(x_shards, w_shards)]
