@@ -15,7 +15,8 @@ from typing import Literal
 TailVariant = Literal["fused", "split", "xla"]
 TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 
-# K per rank → ((largest B, variant), ...) by increasing B; B past the last entry: "xla".
+# K per rank → ((largest B, variant), ...) by increasing B; B past the last entry, or a K
+# not here (K = 12288, TP 1): "xla".
 # 1536 (TP 8): by what one rank of a mesh runs, "Session 7" (bench_rank: rank 0's own tail
 #   call, the peers' rows delivered by ghost peers), 2026-12-01; measured again in "Session 9"
 #   with the same choices (fused 0.5 µs ahead of xla at B = 32, within the spread); split again
@@ -29,8 +30,11 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 #   and 16 (fused had been chosen there in "Session 7"; an H100 agreed in "Sessions 24-25").
 #   With the staged producer ("Session 31", 2026-12-06, H200) split is ahead of XLA's dot by
 #   4.5 µs at B = 17 and 24 (XLA's dot had won at B = 17 against the streamed producer's
-#   three B tiles in two waves) and 1.3 at B = 48; XLA's dot by 0.5 at B = 64. Fused is in no
-#   entry: `oproj_attn_res(variant="fused")` asks for it.
+#   three B tiles in two waves) and 1.3 at B = 48; XLA's dot by 0.5 at B = 64. On wgmma
+#   ("Session 38", 2026-12-07, H100) split is ahead of XLA's dot by 8.0 µs at B = 48 and 9.6
+#   at B = 64 (45.79 against 55.40), and of two-shot by 3.8-4.3: the producer to B = 64, and
+#   no entry runs XLA's dot. Fused is in no entry: `oproj_attn_res(variant="fused")` asks
+#   for it.
 # 3072 and 768 (TP 4, 16): whole virtual-TP groups, "Tail variants" and "Session 4", 2026-11-29
 #   (the producer kernel to B = 16); per rank at B = 1, 2, 4 in "Session 22", where split is
 #   2.5-4.8 µs ahead of fused (the groups had chosen fused there); at 3072 the producer kernel
@@ -45,7 +49,7 @@ TAIL_VARIANT_NAMES = ("fused", "split", "xla")
 #   ahead of XLA's dot two-shot at B = 48 and 64 by 3.3 and 4.1 µs. XLA's dot at K = 12288
 #   (TP 1): "o_proj producer kernel vs XLA's dot".
 TAIL_VARIANTS: dict[int, tuple[tuple[int, TailVariant], ...]] = {
-    6144: ((48, "split"),),
+    6144: ((64, "split"),),
     3072: ((64, "split"),),
     1536: ((64, "split"),),
     768: ((64, "split"),),

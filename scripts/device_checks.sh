@@ -44,8 +44,8 @@ print(f'{l.path}: {len(l.register())} handlers registered, {l.arch}, DSL {l.dsl}
     "${aot_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=600 \
       tests/test_gpu_native.py "${@:2}" > "$OUT/aot_gpu_tests.log" 2>&1
     summary+=("aot gpu tests: $(tail -n 1 "$OUT/aot_gpu_tests.log")")
-    # TP = every GPU: on two, B = 4, 20 and 32 run the split tail (1, 3 and 4 B tiles), 64
-    # XLA's dot (tuning.py's TAIL_VARIANTS).
+    # TP = every GPU: on two, B = 4, 20, 32 and 64 run the split tail (1, 3, 4 and 8 B
+    # tiles: tuning.py's TAIL_VARIANTS).
     for batch in 4 20 32 64; do
       "${aot_env[@]}" python3 examples/decode_loop.py --layers 13 --batch $batch --steps 20 \
         --check > "$OUT/aot_decode_loop_b$batch.log" 2>&1
