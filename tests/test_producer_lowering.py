@@ -150,15 +150,16 @@ def test_register_budget_only_streamed_at_one_tile(tmp_path, tp, tiles, publish)
 @pytest.mark.parametrize("k", [768, 1536, 3072, 6144, 12288])
 def test_staged_producer_owns_64_rows(tiles, k):
     """Staged (from geometry.STAGED_TILES[K] B tiles, else from one), a CTA owns 64 rows of
-    w (112 CTAs per rank) and its shared memory holds 4 chunk buffers of its rows of w and of
-    x; streamed, 16 rows (448 CTAs)."""
-    from jax_kimik3.kernels.geometry import STAGED_TILES
+    w (112 CTAs per rank) and its shared memory holds STAGED_STAGES chunk buffers of its rows
+    of w and of x, within the 227 KB one CTA may hold on sm_90; streamed, 16 rows (448 CTAs)."""
+    from jax_kimik3.kernels.geometry import STAGED_STAGES, STAGED_TILES
     from jax_kimik3.kernels.producer import is_staged
 
     staged = is_staged(tiles, k)
     assert staged == (tiles >= STAGED_TILES.get(k, 1))
     producer = OprojProducer(tiles, k, H, None, staged=staged)
     assert producer.ctas_per_rank == (112 if staged else 448)
-    assert producer.smem_bytes >= (4 * (64 + 8 * tiles) * 128 * 2 if staged else 0)
+    buffers = STAGED_STAGES * (64 + 8 * tiles) * 128 * 2 if staged else 0
+    assert buffers <= producer.smem_bytes <= 227 * 1024
     with pytest.raises(ValueError, match="N=7160 of 64"):
         OprojProducer(tiles, k, H - 8, None, staged=True)

@@ -42,7 +42,13 @@ SWIZZLED_ROW_BYTES = 128
 STAGED_GROUPS = WARPGROUP  # wgmma's M = 64 rows: one 16-row group per warp of a warpgroup
 # 128: a 64-wide k half (one swizzled row) per warpgroup of the CTA
 STAGED_CHUNK = PRODUCER_WARPS // WARPGROUP * SWIZZLED_ROW_BYTES // 2
-STAGED_STAGES = 4
+# Five buffers: more chunks in flight than four, and they fit beside the epilogue's tile at
+# every B tile count (214 KB at 8 tiles; six do not fit there). On an H100 (RESULTS.md,
+# session 38), plain kernel µs at B = 16 / 32 / 64, five against four: K = 1536 9.10 / 9.37 /
+# 9.91 against 9.20 / 9.64 / 10.05, K = 6144 32.05 / 32.88 / 34.10 against 32.90 / 33.56 /
+# 34.63 (three: 0.5-2.4 µs slower than four); as many as fit, up to eight (eight up to four
+# tiles): within 0.1 µs of four at B = 16-32.
+STAGED_STAGES = 5
 # The streamed producer's register budgets (.minnctapersm: CTAs per SM) at one B tile by K:
 # (plain product, one-shot publish); none when it publishes two-shot. The budget decides how
 # many weight loads ptxas issues ahead of their mma (K = 1536: 3 of a lane's 12 with none, at

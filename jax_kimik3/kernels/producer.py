@@ -5,7 +5,7 @@ N = 7168: weight streaming, so the kernel's job is to read w once at read bandwi
 are the GEMM's M and x's tokens its N (one 8-column B tile per 8 tokens), in one of two forms:
 - staged (`is_staged`: geometry.STAGED_TILES): one CTA owns 4 groups of 16 rows (112 CTAs per
   rank) and copies (cp.async) each 128-wide k chunk of its rows of w and of x into one of
-  4 shared buffers while it multiplies an earlier chunk: warpgroup p runs
+  STAGED_STAGES (5) shared buffers while it multiplies an earlier chunk: warpgroup p runs
   `wgmma.m64nNk16` (N = 8 per B tile) over k half p of the chunk, both operands read from
   shared memory (K-major, 128-byte swizzled rows), so its warp q holds group q's products.
   Every x element crosses L2 once per 64 rows of w, and the copies in flight, not registers,
