@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jax_kimik3 as k3
+from jax_kimik3 import tuning
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.inputs import attn_res_inputs, oproj_inputs
 from jax_kimik3.mailbox import Mailbox
@@ -285,6 +286,8 @@ def test_decode_steps_back_to_back(rng, b, variant):
     prefix, every slot armed and 186 calls counted per rank. B = 8: the table's tail (the
     producer's); B = 64: XLA's dot, asked for (no table entry at TP 2 runs it)."""
     tp, distinct = 2, 3
+    chosen = variant or tuning.tail_variant(b, KIMI_K3.o_proj_local_features(tp))
+    assert chosen == {8: "split", 64: "xla"}[b]
     inp = attn_res_inputs(rng, b, NB)
     x_bank = [oproj_inputs(rng, b)[0] for _ in range(distinct)]
     w = weight()
