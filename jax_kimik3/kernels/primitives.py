@@ -153,6 +153,24 @@ def warp_scatter_sums(values: list, lane) -> list:
     return out
 
 
+def slot_totals(cluster_buf, n: int, cluster_size: int, lane) -> list:
+    """Step 5 of `cluster_sums`: the sum over the CTAs' slots of `cluster_buf` [cluster_size, n]
+    of each of the n values, in rank order, on every lane. Lane j adds the slots of one value
+    (per group of up to WARP values: lanes past the group's last value repeat it) and a shuffle
+    from lane j hands that sum to every lane: cluster_size loads and adds and n shuffles per
+    lane, where each lane adding every value's slots takes n·cluster_size of each. Plain Python
+    over the DSL's operations, called from kernel code."""
+    sums = []
+    for start in range(0, n, WARP):
+        count = min(WARP, n - start)
+        k = Int32(start) + Int32(cutlass.select_(lane < count, lane, Int32(count - 1)))
+        total = Float32(0.0)
+        for c in range(cluster_size):
+            total = total + cluster_buf[c, k]
+        sums += [cute.arch.shuffle_sync(total, offset=j) for j in range(count)]
+    return sums
+
+
 @cute.jit
 def warp_sums(values: list, warp_buf: cute.Tensor, first: cutlass.Constexpr = 0):
     """Steps 1-2 of `cluster_sums`: the warp's sum of each per-thread fp32 in `values`, spread
@@ -180,7 +198,8 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
     through distributed shared memory (cluster_size·n stores spread over the threads, not
     n in a row on each of cluster_size threads);
     4. a cluster barrier (arrive: release, wait: acquire) publishes the stores;
-    5. every thread adds the slots in rank order, so all CTAs hold bitwise-equal sums.
+    5. each value's slots are added in rank order, so all CTAs hold bitwise-equal sums
+       (`slot_totals`).
     The caller must have synchronised the cluster once since launch (peers' shared memory
     exists), and gives each call its own `cluster_buf`. With `landed` (this CTA's mbarrier,
     set up by `arm_exchange`; one exchange per mbarrier) steps 3-4 are `st.async` stores
@@ -216,13 +235,7 @@ def cluster_sums(values: list, warp_buf: cute.Tensor, cluster_buf: cute.Tensor,
         cute.arch.cluster_wait()
     else:
         wait_exchange(landed)
-    sums = []
-    for k in cutlass.range_constexpr(n):
-        acc = Float32(0.0)
-        for c in cutlass.range_constexpr(cluster_size):
-            acc = acc + cluster_buf[c, k]
-        sums.append(acc)
-    return sums
+    return slot_totals(cluster_buf, n, cluster_size, cute.arch.lane_idx())
 
 
 def dependent_launch(kernel, **launch):
