@@ -1,5 +1,5 @@
-"""The launch floor of the AttnRes kernel (sm_90a, benchmarks only): a kernel of its launch
-shape (a cluster of CLUSTER CTAs of THREADS threads per token row, each thread one 8-wide
+"""The launch floor of the standalone AttnRes kernel (sm_90a, benchmarks only): a kernel of its
+launch shape (a cluster of CLUSTER CTAs per token row, each thread one STANDALONE_VECTOR-wide
 bf16 vector) that only copies a row [B, H] to its output: one dependent load and store, no
 math, no cluster exchange. What it costs per call in a chain is what any kernel of that
 shape pays before doing its work (benchmarks/bench_attn_res.py prints it beside AttnRes).
@@ -12,8 +12,11 @@ import functools
 import cutlass.cute as cute
 import jax
 
-from jax_kimik3.kernels.geometry import CLUSTER, THREADS
+from jax_kimik3.kernels.geometry import CLUSTER, STANDALONE_VECTOR, cta_threads
 from jax_kimik3.kernels.primitives import load_f32, store, vectors
+
+
+THREADS = cta_threads(STANDALONE_VECTOR)
 
 
 class RowCopy:
@@ -23,7 +26,7 @@ class RowCopy:
     @cute.jit
     def __call__(self, stream, rows: cute.Tensor, out: cute.Tensor):
         batch = cute.size(rows, mode=[0])
-        self.kernel(vectors(rows), vectors(out)).launch(
+        self.kernel(vectors(rows, STANDALONE_VECTOR), vectors(out, STANDALONE_VECTOR)).launch(
             grid=[CLUSTER, batch, 1], block=[THREADS, 1, 1], cluster=[CLUSTER, 1, 1],
             stream=stream)
 

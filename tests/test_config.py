@@ -107,11 +107,14 @@ def test_bad_config_plan_and_tp(call, pattern):
 
 
 def test_kernel_geometry_tiles_the_hidden_size():
-    """An AttnRes row is CLUSTER CTAs of whole warps, a VECTOR-element vector per thread; the
-    flat Lamport kernels and the producer's rows and B tiles divide what they cover."""
+    """An AttnRes row is CLUSTER CTAs of whole warps, a vector per thread (VECTOR elements in a
+    tail, STANDALONE_VECTOR in the standalone kernels); the flat Lamport kernels and the
+    producer's rows and B tiles divide what they cover."""
     from jax_kimik3.kernels import geometry as g
 
     h = k3.KIMI_K3.hidden_size
-    assert g.CLUSTER * g.THREADS * g.VECTOR == h and g.THREADS % g.WARP == 0
+    for vector in (g.VECTOR, g.STANDALONE_VECTOR):
+        threads = g.cta_threads(vector)
+        assert g.CLUSTER * threads * vector == h and threads % g.WARP == 0
     assert g.FLAT_THREADS % g.WARP == 0 and h % g.VECTOR == 0
     assert h % g.ROWS == 0 and k3.KIMI_K3.mailbox_capacity % g.TOKENS == 0

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_kimik3 as k3
+from jax_kimik3.kernels.geometry import STANDALONE_VECTOR
 from tests.lowering import CUSTOM_CALL, entries, kept_ptx, lower_for_cuda, spec
 
 pytest.importorskip("cutlass")
@@ -133,7 +134,9 @@ def test_ptx_is_hopper_cluster_code(tmp_path):
     assert order == sorted(order), order
     # The wait acquires at cluster scope, the peers' stores' release scope.
     assert ptx.count("mbarrier.try_wait") == ptx.count("mbarrier.try_wait.parity.acquire.cluster")
-    assert "ld.global.v4" in ptx and "st.global.v4" in ptx  # 16-byte row vectors
+    # The row's vectors move in one access each: STANDALONE_VECTOR bf16, as 32-bit words.
+    words = STANDALONE_VECTOR // 2
+    assert f"ld.global.v{words}" in ptx and f"st.global.v{words}" in ptx
 
 
 @pytest.mark.parametrize("blocks, stats, exchanges", [(-1, False, 1), (0, False, 2), (8, True, 1)],
@@ -178,8 +181,9 @@ def test_standalone_kernels_have_a_register_budget(tmp_path):
     """The standalone AttnRes and statistics kernels carry `.minnctapersm`: with a budget ptxas
     issues every saved block's load at once (without one it holds K = 8 to about 75
     registers and loads the last blocks a memory round trip later), within what
-    STANDALONE_CTAS_PER_SM CTAs of 128 threads per SM leave, without spilling."""
-    from jax_kimik3.kernels.geometry import STANDALONE_CTAS_PER_SM, THREADS
+    STANDALONE_CTAS_PER_SM CTAs of their threads per SM leave, without spilling."""
+    from jax_kimik3.kernels.geometry import (STANDALONE_CTAS_PER_SM, STANDALONE_VECTOR,
+                                             cta_threads)
 
     ptx = kept_ptx(standalone_script(8) + f"""
         st = lambda bl, g, w: k3.attn_res_statistics(bl, g, w, num_blocks=8, backend="kernel")
@@ -196,7 +200,8 @@ def test_standalone_kernels_have_a_register_budget(tmp_path):
                                    str(tmp_path / f"{i}.cubin")], capture_output=True,
                                   text=True, check=True).stderr
             for registers in map(int, re.findall(r"Used (\d+) registers", info)):
-                assert registers <= 65536 // (THREADS * STANDALONE_CTAS_PER_SM), info
+                assert registers <= 65536 // (cta_threads(STANDALONE_VECTOR)
+                                              * STANDALONE_CTAS_PER_SM), info
             assert not re.search(r"[1-9]\d* bytes spill stores", info), info
 
 

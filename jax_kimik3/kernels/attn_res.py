@@ -1,7 +1,8 @@
 """Block AttnRes on a cluster of CTAs per token row (sm_90a), and its statistics producer.
 
-A row's H = 7168 columns are split over a cluster of CLUSTER = 7 CTAs of 128 threads, each
-thread owning one 8-wide bf16 vector. Per row:
+A row's H = 7168 columns are split over a cluster of CLUSTER = 7 CTAs, each thread owning one
+bf16 vector of them: 8 wide (128 threads per CTA) in a tail, whose mailbox words it polls;
+STANDALONE_VECTOR wide in the standalone and statistics kernels. Per row:
 1. the prefix update p = bf16(prefix + delta), stored to new_prefix (and to the block slot
    `write_idx` when the layer writes a block). With a mailbox `reduction` the delta (or, when
    a block starts, p itself) is the all-reduce of the TP ranks' o_proj rows: each thread polls
@@ -29,7 +30,7 @@ fp32 mixture Σ e^{z_i-m} b_i and (m, s). Statistics ahead: the AttnRes kernel
 also stores them for a later call site that mixes the same saved blocks under its own weights
 (the next layer's pre-attention, or the final call), from the blocks it already holds and one
 cluster exchange it already makes, so the later call reads no block.
-Constraints: H = CLUSTER · THREADS · 8; 1 <= B (one cluster per row, grid (CLUSTER, R·B)).
+Constraints: H = CLUSTER · threads · vector; 1 <= B (one cluster per row, grid (CLUSTER, R·B)).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 from jax_kimik3.config import KIMI_K3
 from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_POLLS_AHEAD, GRAM_MAX_SOURCES,
-                                         STANDALONE_CTAS_PER_SM, THREADS, VECTOR, WARP)
+                                         STANDALONE_CTAS_PER_SM, STANDALONE_VECTOR, VECTOR,
+                                         WARP, cta_threads)
 from jax_kimik3.layout import WAITER
 from jax_kimik3.kernels.primitives import (arm_exchange, arrive, call_of, cluster_sums,
                                            dependent_launch,
@@ -56,7 +58,6 @@ from jax_kimik3.kernels.primitives import (arm_exchange, arrive, call_of, cluste
                                            warp_sums)
 
 HIDDEN = KIMI_K3.hidden_size
-WARPS = THREADS // WARP
 
 
 def _row_major(*shape):
@@ -67,10 +68,10 @@ def _row_major(*shape):
     return cute.make_layout(shape, stride=tuple(reversed(strides)))
 
 
-def _smem_bytes(reductions: int, values: int) -> int:
-    """Shared memory of `reductions` cluster_sums calls of `values` fp32 each, and their
-    mbarriers."""
-    return 4 * reductions * values * (WARPS + CLUSTER) + 8 * reductions + 64
+def _smem_bytes(reductions: int, values: int, warps: int) -> int:
+    """Shared memory of `reductions` cluster_sums calls of `values` fp32 each by CTAs of
+    `warps` warps, and their mbarriers."""
+    return 4 * reductions * values * (warps + CLUSTER) + 8 * reductions + 64
 
 
 @cute.jit
@@ -173,10 +174,11 @@ class AttnResTensors:
     ahead_mixture: Any = None
     ahead_scal: Any = None
 
-    def vectors(self) -> AttnResTensors:
-        """The same with every [.., H] tensor seen as 8-element vectors (what `row` reads)."""
+    def vectors(self, width: int) -> AttnResTensors:
+        """The same with every [.., H] tensor seen as `width`-element vectors (what `row`
+        reads)."""
         return dataclasses.replace(self, **{
-            name: vectors(getattr(self, name)) for name in VECTOR_TENSORS
+            name: vectors(getattr(self, name), width) for name in VECTOR_TENSORS
             if getattr(self, name) is not None})
 
 
@@ -200,6 +202,10 @@ class AttnResKernel:
                              "(capped=True): held, its inputs spill")
         self.v = variant
         self.ranks = variant.ranks
+        # A tail's thread polls one mailbox word (VECTOR columns) of each slot.
+        self.vector = VECTOR if variant.reduction is not None else STANDALONE_VECTOR
+        self.threads = cta_threads(self.vector)
+        self.warps = self.threads // WARP
         self.holding = holding
         self.polls_ahead = FUSED_POLLS_AHEAD if capped else None
         # One row per cluster, so one exchange per mbarrier: the exchanges land on mbarriers
@@ -229,10 +235,11 @@ class AttnResKernel:
         after the rows' producers, and then it is their dependent launch: it reads its
         inputs and the saved blocks while they run and sums the rows as they land."""
         batch = cute.size(t.prefix, mode=[0])
-        kernel = self.kernel(t.vectors(), batch)
-        config = dict(grid=[CLUSTER, self.ranks * batch, 1], block=[THREADS, 1, 1],
+        kernel = self.kernel(t.vectors(self.vector), batch)
+        config = dict(grid=[CLUSTER, self.ranks * batch, 1], block=[self.threads, 1, 1],
                       cluster=[CLUSTER, 1, 1],
-                      smem=_smem_bytes(1 if self.one_exchange else 2, self.exchanged),
+                      smem=_smem_bytes(1 if self.one_exchange else 2, self.exchanged,
+                                       self.warps),
                       stream=stream)
         if cutlass.const_expr(self.v.reduction is not None):  # in a tail
             dependent_launch(kernel, **config)
@@ -278,21 +285,22 @@ class AttnResKernel:
         """Thread `tidx` of cluster CTA `cta` on output row `item` (rank item // batch's
         token row; steps 1-4 of the module docstring), the tensors seen as vectors; with a
         reduction, `wait`: the control words already read (None: it reads them).
-        Called by THREADS threads of each of the cluster's CLUSTER CTAs (it has CTA and
+        Called by `threads` threads of each of the cluster's CLUSTER CTAs (it has CTA and
         cluster barriers: any other thread of the CTA must have exited); the fused tail
         kernel calls it too, row after row."""
         v = self.v
-        col = cta * THREADS + tidx
+        col = cta * self.threads + tidx
         i = item // batch
         row = item - i * batch
         n = self.exchanged
         smem = cutlass.memory.SmemAllocator()
-        warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
+        warp_buf = smem.allocate_tensor(Float32, _row_major(self.warps, n), byte_alignment=16)
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
         norm_warp, norm_cluster = None, None
         two_exchanges = v.out_norm and not self.one_exchange
         if cutlass.const_expr(two_exchanges):
-            norm_warp = smem.allocate_tensor(Float32, _row_major(WARPS, 1), byte_alignment=16)
+            norm_warp = smem.allocate_tensor(Float32, _row_major(self.warps, 1),
+                                             byte_alignment=16)
             norm_cluster = smem.allocate_tensor(Float32, _row_major(CLUSTER, 1),
                                                 byte_alignment=16)
         landed, norm_landed = None, None  # one row per cluster: an mbarrier per exchange
@@ -476,27 +484,31 @@ class StatisticsKernel:
 
     def __init__(self, num_blocks: int, eps: float):
         self.num_blocks, self.eps = num_blocks, eps
+        self.threads = cta_threads(STANDALONE_VECTOR)
+        self.warps = self.threads // WARP
 
     @cute.jit
     def __call__(self, stream, blocks: cute.Tensor, res_norm_w: cute.Tensor,
                  res_proj_w: cute.Tensor, mixture: cute.Tensor, scal: cute.Tensor):
         batch = cute.size(blocks, mode=[0])
-        self.kernel(vectors(blocks), vectors(res_norm_w), vectors(res_proj_w), vectors(mixture),
-                    scal).launch(grid=[CLUSTER, batch, 1], block=[THREADS, 1, 1],
-                                 min_blocks_per_mp=STANDALONE_CTAS_PER_SM,
-                                 preferred_smem_carveout=-1,  # the default (no device query)
-                                 cluster=[CLUSTER, 1, 1], smem=_smem_bytes(1, 2 * self.num_blocks),
-                                 stream=stream)
+        width = STANDALONE_VECTOR
+        self.kernel(vectors(blocks, width), vectors(res_norm_w, width),
+                    vectors(res_proj_w, width), vectors(mixture, width), scal).launch(
+            grid=[CLUSTER, batch, 1], block=[self.threads, 1, 1],
+            min_blocks_per_mp=STANDALONE_CTAS_PER_SM,
+            preferred_smem_carveout=-1,  # the default (no device query)
+            cluster=[CLUSTER, 1, 1], smem=_smem_bytes(1, 2 * self.num_blocks, self.warps),
+            stream=stream)
 
     @cute.kernel
     def kernel(self, blocks: cute.Tensor, res_norm_w: cute.Tensor, res_proj_w: cute.Tensor,
                mixture: cute.Tensor, scal: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         rank, row, _ = cute.arch.block_idx()
-        col = rank * THREADS + tidx
+        col = rank * self.threads + tidx
         n = 2 * self.num_blocks
         smem = cutlass.memory.SmemAllocator()
-        warp_buf = smem.allocate_tensor(Float32, _row_major(WARPS, n), byte_alignment=16)
+        warp_buf = smem.allocate_tensor(Float32, _row_major(self.warps, n), byte_alignment=16)
         cluster_buf = smem.allocate_tensor(Float32, _row_major(CLUSTER, n), byte_alignment=16)
         landed = smem.allocate_array(Int64, 1)
         if tidx == 0:

@@ -6,7 +6,7 @@ sizes it from the device's occupancy), each CTA of PRODUCER_WARPS warps:
 1. producer items: CTA j of the grid takes CTA items j, j + CLUSTER·clusters, ... of the R·N/16
    producer CTAs (`OprojProducer.rows`: 16 rows of rank i's w, then the publish);
 2. consumer items: then cluster g takes token rows g, g + clusters, ... of the R·B rows
-   (`AttnResKernel.row` on THREADS threads of each CTA; the other warps exit first).
+   (`AttnResKernel.row` on the consumer's threads of each CTA; the other warps exit first).
 A CTA finishes all its producer items before it polls, and every CTA is resident, so each
 producer item is done by a running CTA: the consumers' waits never depend on the order in
 which the hardware dispatches blocks. The last CTA advances the ranks' call counters.
@@ -24,7 +24,7 @@ from jax_kimik3.kernels import producer
 from jax_kimik3.kernels.attn_res import HIDDEN, AttnResTensors
 from jax_kimik3.kernels.variants import AttnResVariant
 from jax_kimik3.kernels.geometry import (CLUSTER, FUSED_CTAS_PER_SM, PRODUCER_WARPS, ROWS,
-                                         THREADS, WARP)
+                                         WARP)
 from jax_kimik3.kernels.primitives import arrive, fence_system, finish_call
 from jax_kimik3.kernels.variants import Publish, tiles
 
@@ -67,7 +67,8 @@ class OprojAttnResFused:
         """Both roles' shared memory: the DSL lays out every allocation of the kernel, of
         either role, one after the other (taking the larger one overflowed: illegal address
         on the H200)."""
-        return self.producer.smem_bytes + attn_res_kernels._smem_bytes(2, self.consumer.exchanged)
+        return self.producer.smem_bytes + attn_res_kernels._smem_bytes(
+            2, self.consumer.exchanged, self.consumer.warps)
 
     @cute.jit
     def __call__(self, stream, x: cute.Tensor, w: cute.Tensor, prefix: cute.Tensor,
@@ -77,7 +78,7 @@ class OprojAttnResFused:
         consumer = AttnResTensors(prefix=prefix, blocks=blocks, res_norm_w=res_norm_w,
                                   res_proj_w=res_proj_w, out_norm_w=out_norm_w, table=table,
                                   ranks=ranks, out=out, new_prefix=new_prefix)
-        self.kernel(x, w, consumer.vectors()).launch(
+        self.kernel(x, w, consumer.vectors(self.consumer.vector)).launch(
             grid=[CLUSTER, self.clusters, 1], block=[THREADS_PER_CTA, 1, 1],
             cluster=[CLUSTER, 1, 1], smem=self.smem_bytes, stream=stream,
             min_blocks_per_mp=MIN_CTAS_PER_SM,
@@ -96,8 +97,8 @@ class OprojAttnResFused:
             x_i, w_i = self.producer.rank_operands(x, w, i, self.batch)
             self.producer.rows(tidx, item - i * PRODUCER_CTAS, x_i, w_i, t.table, t.ranks[i],
                                None, self.batch)
-        # 2. consumer rows: THREADS threads per CTA; the other warps exit here
-        if tidx < THREADS:
+        # 2. consumer rows: the consumer's threads per CTA; the other warps exit here
+        if tidx < self.consumer.threads:
             for row in cutlass.range(cluster, self.ranks * self.batch, self.clusters):
                 self.consumer.row(tidx, cta, row, self.batch, t)
             if tidx == 0:  # the items' barriers: every thread has read the control words

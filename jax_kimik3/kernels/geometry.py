@@ -4,10 +4,20 @@ kernel calls in jax.jit size their launches from it too)."""
 from jax_kimik3.config import KIMI_K3
 
 VECTOR = 8  # bf16 elements per thread access ...
-VECTOR_BYTES = 2 * VECTOR  # ... 16 bytes, four 32-bit words
+VECTOR_BYTES = 2 * VECTOR  # ... 16 bytes, four 32-bit words: the mailboxes' word
 WARP = 32
 CLUSTER = 7  # CTAs per AttnRes cluster: one token row of H columns
-THREADS = KIMI_K3.hidden_size // (CLUSTER * VECTOR)  # 128 per AttnRes CTA, a vector each
+
+
+def cta_threads(vector: int) -> int:
+    """Threads per AttnRes CTA when each owns `vector` columns of the row."""
+    return KIMI_K3.hidden_size // (CLUSTER * vector)
+
+
+THREADS = cta_threads(VECTOR)  # 128 per AttnRes CTA of a tail, a mailbox word each
+# Columns per thread of the standalone AttnRes and statistics kernels (no mailbox word to
+# follow): 4 gives CTAs of 256 threads, two warps per scheduler, each with a shorter chain.
+STANDALONE_VECTOR = 8
 ROWS = 16  # rows of w per o_proj producer CTA: the mma's M
 TOKENS = 8  # tokens per producer B tile: the mma's N
 PRODUCER_WARPS = 8  # warps per producer CTA, each over K / PRODUCER_WARPS

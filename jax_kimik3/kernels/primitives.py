@@ -46,15 +46,15 @@ NAN_BF16_PAIR = 0x7FC07FC0  # two bf16 quiet NaNs: OR-ed into a word, it reads a
 NAN_F32 = 0x7FC00000
 
 
-def vectors(tensor: cute.Tensor) -> cute.Tensor:
-    """View a row-major tensor as (VECTOR-wide vectors, index of the vector); last mode split."""
-    tile = (1,) * (cute.rank(tensor) - 1) + (VECTOR,)
+def vectors(tensor: cute.Tensor, width: int = VECTOR) -> cute.Tensor:
+    """View a row-major tensor as (`width`-wide vectors, index of the vector); last mode split."""
+    tile = (1,) * (cute.rank(tensor) - 1) + (width,)
     return cute.zipped_divide(tensor, tile)
 
 
 @cute.jit
 def load_vector(vecs: cute.Tensor, index):
-    """The VECTOR elements of vector `index`, as stored (a TensorSSA: 8 bf16, four registers)."""
+    """The elements of vector `index`, as stored (a TensorSSA: VECTOR bf16, four registers)."""
     frag = cute.make_rmem_tensor(cute.size(vecs, mode=[0]), vecs.element_type)
     cute.autovec_copy(vecs[(None, index)], frag)
     return frag.load()
@@ -62,7 +62,7 @@ def load_vector(vecs: cute.Tensor, index):
 
 @cute.jit
 def load_f32(vecs: cute.Tensor, index):
-    """The VECTOR elements of vector `index`, converted to fp32 (a TensorSSA)."""
+    """The elements of vector `index`, converted to fp32 (a TensorSSA)."""
     return load_vector(vecs, index).to(Float32)
 
 
