@@ -15,8 +15,10 @@ def cta_threads(vector: int) -> int:
 
 
 THREADS = cta_threads(VECTOR)  # 128 per AttnRes CTA of a tail, a mailbox word each
-# Columns per thread of the standalone AttnRes and statistics kernels (no mailbox word to
-# follow): 4 gives CTAs of 256 threads, two warps per scheduler, each with a shorter chain.
+# Columns per thread of the standalone AttnRes and statistics kernels, which follow no
+# mailbox word. 4 gives CTAs of 256 threads: two warps per scheduler, each with a shorter
+# chain (ptxas, K = 8: 864 instructions per thread against 1048, 64 registers against 128).
+# At 4 both kernels pass the GPU tests (benchmarks/RESULTS.md, session 42); not yet timed.
 STANDALONE_VECTOR = 8
 ROWS = 16  # rows of w per o_proj producer CTA: the mma's M
 TOKENS = 8  # tokens per producer B tile: the mma's N
