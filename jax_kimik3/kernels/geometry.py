@@ -14,7 +14,6 @@ def cta_threads(vector: int) -> int:
     return KIMI_K3.hidden_size // (CLUSTER * vector)
 
 
-THREADS = cta_threads(VECTOR)  # 128 per AttnRes CTA of a tail, a mailbox word each
 # Columns per thread of the standalone AttnRes and statistics kernels, which follow no
 # mailbox word. 4 gives CTAs of 256 threads: two warps per scheduler, each with a shorter
 # chain (ptxas, K = 8: 864 instructions per thread against 1048, 64 registers against 128).
