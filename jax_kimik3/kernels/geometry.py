@@ -15,9 +15,10 @@ def cta_threads(vector: int) -> int:
 
 
 # Columns per thread of the standalone AttnRes and statistics kernels, which follow no
-# mailbox word. 4 gives CTAs of 256 threads: two warps per scheduler, each with a shorter
-# chain (ptxas, K = 8: 864 instructions per thread against 1048, 64 registers against 128).
-# At 4 both kernels pass the GPU tests (benchmarks/RESULTS.md, session 42); not yet timed.
+# mailbox word. Measured on an H100 (benchmarks/RESULTS.md, session 43): 8 is the fastest at
+# every B and K tried. 4 (CTAs of 256 threads, shorter chains: 864 SASS instructions per
+# thread at K = 8 against 1048) is 0.0-0.4 µs slower (3.33 against 3.10 µs at B = 8, K = 8),
+# and 2 (512 threads, 2 CTAs per SM) 0.2-3.7 µs slower.
 STANDALONE_VECTOR = 8
 ROWS = 16  # rows of w per o_proj producer CTA: the mma's M
 TOKENS = 8  # tokens per producer B tile: the mma's N
