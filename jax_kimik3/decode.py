@@ -35,6 +35,13 @@ def check_virtual_tp(virtual_tp):
     return virtual_tp
 
 
+def _check_mesh(mesh):
+    """A mesh with the TP axis AXIS, along which the step splits o_proj's K."""
+    if AXIS not in mesh.axis_names:
+        raise ValueError(f"mesh has axes {dict(zip(mesh.axis_names, mesh.axis_sizes))}; the "
+                         f"step needs a {AXIS!r} axis (tensor parallel, o_proj split along it)")
+
+
 def _check_layers(num_layers, virtual_tp):
     """Refuse a layer count outside 1..KIMI_K3.num_layers or a virtual TP no o_proj split has."""
     check_int("num_layers", num_layers, 1, KIMI_K3.num_layers)
@@ -56,6 +63,7 @@ def init_params(key, mesh, num_layers, virtual_tp=None):
     """Random weights, created on `mesh`: o_proj and the attention stand-in split along K
     (with `virtual_tp`, o_proj held as the ranks' shards [TP, H, K/TP] on the one device)."""
     _check_layers(num_layers, virtual_tp)
+    _check_mesh(mesh)
     split = NamedSharding(mesh, P(None, AXIS))
     whole = NamedSharding(mesh, P())
 
@@ -154,6 +162,7 @@ def make_step(mesh, params, num_layers, backend, mailbox, stats_ahead=False, vir
                            stats_ahead=stats_ahead, virtual_tp=virtual_tp, two_shot=two_shot,
                            variant=variant)
 
+    _check_mesh(mesh)
     if virtual_tp:
         return jax.jit(step)
     rows = rows_spec(mesh)

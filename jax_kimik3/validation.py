@@ -75,10 +75,10 @@ class Checker:
         if (isinstance(value, bool) or not isinstance(value, (numbers.Integral, float,
                                                                np.floating))
                 or not _finite(value) or not value > 0):
-            self.fail(f"{name}={value!r} must be a finite number > 0")
-        elif not EPS_RANGE[0] <= value <= EPS_RANGE[1]:
-            self.fail(f"{name}={value!r} must be in [{EPS_RANGE[0]:.8g}, {EPS_RANGE[1]:.8g}] "
-                      "(a normal float32)")
+            self.fail(f"{name}={_short(value)} must be a finite number > 0")
+        elif not EPS_RANGE[0] <= float(value) <= EPS_RANGE[1]:
+            self.fail(f"{name}={_short(value)} must be in [{EPS_RANGE[0]:.8g}, "
+                      f"{EPS_RANGE[1]:.8g}] (a normal float32)")
 
     def batch(self, name, b, capacity=CAPACITY):
         if not 1 <= b <= capacity:
@@ -309,8 +309,9 @@ def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
     if axis_size != spec.tp:
         check.fail(f"axis {axis_name!r} has {axis_size} ranks; the mailbox has tp={spec.tp}")
     mesh = jax.sharding.get_abstract_mesh()
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     if isinstance(mailbox, MeshMailbox):
-        if axis_name != mailbox.axis_name:
+        if names != (mailbox.axis_name,):
             check.fail(f"axis_name={axis_name!r}, but the mailbox's groups run along axis "
                        f"{mailbox.axis_name!r}")
         here = tuple(zip(mesh.axis_names, mesh.axis_sizes))
@@ -318,7 +319,7 @@ def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
         if here != made:
             check.fail(f"the mesh here has axes {dict(here)}; the mailbox was made for the "
                        f"mesh {dict(made)}")
-    others = {n: s for n, s in zip(mesh.axis_names, mesh.axis_sizes) if n != axis_name and s > 1}
+    others = {n: s for n, s in zip(mesh.axis_names, mesh.axis_sizes) if n not in names and s > 1}
     groups = math.prod(others.values())
     if groups != spec.groups:
         if spec.groups == 1:

@@ -3,6 +3,7 @@
 import fractions
 import functools
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +97,7 @@ ATTN_RES_CASES = [
     ("unhashable num_blocks", {}, dict(num_blocks=[2]),
      r"num_blocks=\[2\] is a static argument and must be hashable \(got an unhashable list\)"),
     ("backend", {}, dict(backend="gpu"), r"backend='gpu' must be one of \('auto', 'kernel'"),
-    ("eps past float", {}, dict(eps=10**400), r"eps=10{400} must be a finite number > 0"),
+    ("eps past float", {}, dict(eps=10**400), r"eps=10{56}\.\.\. must be a finite number > 0"),
     ("eps str with stats", dict(stats=k3.AttnResStatistics(spec((4, H), jnp.float32),
                                                            spec((4, 2), jnp.float32), 2)),
      dict(eps="abc"), r"eps='abc' must be a finite number > 0"),
@@ -125,6 +126,9 @@ def test_valid_arguments_trace():
     trace_attn_res(attn_args(), num_blocks=8)
     trace_attn_res({**attn_args(), "out_norm_w": None}, num_blocks=4, write_idx=7)
     trace_attn_res(attn_args(), num_blocks=2, eps=np.float32(1e-6), out_eps=1)
+    with warnings.catch_warnings():  # a float16 eps is held against float32's range quietly
+        warnings.simplefilter("error")
+        trace_attn_res(attn_args(), num_blocks=2, eps=np.float16(1e-5))
 
 
 def test_statistics_carry_their_eps(rng):
@@ -257,12 +261,13 @@ def test_oproj_attn_res_rejects_statics(case):
         tail_trace(**static)
 
 
-def kimi_tail_trace(tp, k, mailbox=None, peer_table=None, shape=None, axes=("tp",), **static):
+def kimi_tail_trace(tp, k, mailbox=None, peer_table=None, shape=None, axes=("tp",),
+                    axis_name="tp", **static):
     """oproj_attn_res at Kimi K3's H on a mesh of host devices (traced, nothing runs)."""
     h = 7168
     args = [spec((4, k)), spec((h, k)), spec((4, h)), spec((4, NB, h)), spec((h,)), spec((h,)),
             spec((h,))]
-    f = functools.partial(k3.oproj_attn_res, axis_name="tp", num_blocks=2, has_delta=True,
+    f = functools.partial(k3.oproj_attn_res, axis_name=axis_name, num_blocks=2, has_delta=True,
                           mailbox=mailbox, **static)
     if peer_table is not None:
         args.append(peer_table)
@@ -314,6 +319,14 @@ def test_mailbox_serves_one_tp_group():
     # One group per dp index, each device its own table block: traces.
     kimi_tail_trace(4, 6144, mailbox_spec(2, groups=2), TABLE((1, 1, 3, 2)), shape=(2, 2),
                     axes=("dp", "tp"))
+
+
+@pytest.mark.parametrize("axis_name,tp,groups", [(("tp",), 2, 2), (("dp", "tp"), 4, 1)])
+def test_mailbox_on_a_tuple_of_axes(axis_name, tp, groups):
+    """A tuple axis_name is the TP axis: none of its axes counts among the mesh's other axes
+    (each dp group its own mailbox, or one mailbox over both axes)."""
+    kimi_tail_trace(4, 12288 // tp, mailbox_spec(tp, groups=groups), TABLE((1, 1, tp + 1, 2)),
+                    shape=(2, 2), axes=("dp", "tp"), axis_name=axis_name)
 
 
 def test_concurrent_command_buffers_refused(monkeypatch):
@@ -480,3 +493,14 @@ def test_decode_step_rejects(num_layers, virtual_tp, pattern):
     if virtual_tp is not None:
         with pytest.raises(ValueError, match=pattern):
             decode.param_shapes(2, virtual_tp)
+
+
+def test_decode_step_needs_the_tp_axis():
+    from jax.sharding import AbstractMesh
+
+    from jax_kimik3 import decode
+
+    with pytest.raises(ValueError, match=r"mesh has axes \{'model': 2\}; the step needs a 'tp' "
+                                         r"axis"):
+        decode.make_step(AbstractMesh((2,), ("model",)), decode.param_shapes(2), 2,
+                         "reference", None)
