@@ -44,3 +44,21 @@ def test_oproj_attn_res_matches_oracle(rng, tp, k_total, has_delta):
 
     oracle.assert_tail_close(out, prefix, x, w, inp, tp=tp, num_blocks=k, has_delta=has_delta)
     np.testing.assert_array_equal(np.asarray(blocks), inp.blocks)
+
+
+def test_oproj_attn_res_over_a_tuple_of_axes(rng):
+    """axis_name=("dp", "tp") on a (2, 4) mesh: one TP group of 8 ranks over both axes."""
+    b, k = 8, 3
+    inp = attn_res_inputs(rng, b, NB)
+    x, _ = oproj_inputs(rng, b, 12288)
+    w = _weights(12288)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
+    step = functools.partial(k3.oproj_attn_res, axis_name=("dp", "tp"), num_blocks=k,
+                             has_delta=True)
+    shards = P(None, ("dp", "tp"))
+    sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(shards, shards) + (P(),) * 5,
+                                    out_specs=P()))
+    out, prefix, _ = sharded(x, w, inp.prefix, inp.blocks, inp.res_norm_w, inp.res_proj_w,
+                             inp.out_norm_w)
+
+    oracle.assert_tail_close(out, prefix, x, w, inp, tp=8, num_blocks=k, has_delta=True)
