@@ -382,18 +382,21 @@ class Mailbox:
             raise ValueError(f"{what}: mailbox={self!r} is closed")
 
     def arm(self):
-        """Wait for every device of the mailbox to go idle, then write SENTINEL over every slot
-        of every rank and zero the control words: the call counters restart together and a
-        failure is cleared; rows a late peer left behind are wiped, never read."""
+        """Wait for every device of the mailbox to go idle, then write SENTINEL over every rank's
+        whole buffer and zero its control words: the call counters restart together and a
+        failure is cleared; rows a late peer left behind are wiped, never read. The padding
+        past the layout is armed too, so a kernel compiled for a layout of another capacity
+        (a MailboxSpec that is not this mailbox's) reads its failure flag as set there and
+        writes NaN, where it would otherwise poll unarmed words as landed rows."""
         self._require_open("Mailbox.arm")
         try:
             self._synchronize()  # no kernel may still use the slots
             if self.group is not None:  # nor any of the other processes' kernels
                 handles.barrier(self.group, "arm")
             for r in self.owned:
-                address = self._buffers[r][0]
+                address, size, _ = self._buffers[r]
                 self._cu("cuCtxSetCurrent", self._contexts[self.ordinals[r]])
-                self._cu("cuMemsetD32", address, SENTINEL, self.layout.armed_bytes // 4)
+                self._cu("cuMemsetD32", address, SENTINEL, size // 4)
                 self._cu("cuMemsetD32", address + self.layout.control, 0, CONTROL.WORDS)
             self._synchronize()
             if self.group is not None:  # no process publishes before every rank is armed
