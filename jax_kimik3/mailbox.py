@@ -4,8 +4,8 @@ Each rank owns one buffer, allocated with cuda-python's VMM API (cuMemCreate on 
 device, cuMemMap into one virtual range, cuMemSetAccess for every device of the mailbox), so a
 single process's kernels read and write every rank's buffer through one address (unified VA).
 A rank's buffer holds the regions of jax_kimik3/layout.py (the kernels address them from
-the same module), rounded up to the allocation granularity; `arm()` writes SENTINEL into
-every bf16 region and zeroes the control words. Which of the two buffers a call uses is
+the same module), rounded up to the allocation granularity; `arm()` writes SENTINEL over the
+whole buffer and zeroes the control words. Which of the two buffers a call uses is
 `calls % 2`, from the rank's own call counter in device memory, which the last kernel of every
 all-reduce advances: the buffers alternate with the sequence of calls, whatever the layer.
 Kernels find the buffers through the peer table (`peer_table`), an ordinary JAX input.
