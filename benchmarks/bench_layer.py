@@ -10,8 +10,12 @@ oproj (one GPU): the o_proj producer kernel (`kernels.producer_ops.project`) aga
 tail (a TP mesh of every local GPU): the kernel tail (`oproj_attn_res` with a mailbox:
   producer + AttnRes consumer) against the XLA reference (dot + psum + reference AttnRes),
   and on several GPUs the reference with XLA's one-shot all-reduce kernel (a child process,
-  as in bench_all_reduce.py). Each timed call runs two layers (two mailbox calls) with their
-  own o_proj weights; the AttnRes is a delta layer over K = 8 saved blocks.
+  as in bench_all_reduce.py) and what the one-rank model predicts for the mesh: rank 0 of a
+  group of this TP on one GPU with ghost peers (benchmarks/bench_rank.py) in the table's
+  variant, plus the cost model's NVLink transfer (the model leaves out the ~1 µs fusion that
+  makes x wait, which the mesh's figure holds). Each timed call runs two layers (two mailbox
+  calls) with their own o_proj weights; the AttnRes is a delta layer over K = 8 saved
+  blocks.
 tail --variants fused,split[,xla,two_shot]: the kernel tail's variants side by side, per (TP, B), with
   the choice of `tuning.TAIL_VARIANTS` beside them (the numbers that table wants): on several
   GPUs on the mesh of all of them (each rank's own launch), on one GPU in virtual TP for each
@@ -154,6 +158,19 @@ def tail_times(args):
         mailbox.check()
         mailbox.close()
     return times
+
+
+def mesh_model_us(args, tp, bandwidth):
+    """{B: µs} that the one-rank model predicts for one layer's tail on a TP `tp` mesh
+    (`bench_rank.model_us`), measured on this process's first GPU."""
+    from benchmarks import bench_rank
+
+    variants = {bench_rank.table_choice(b, K_TOTAL // tp, tp)
+                for b in map(int, args.batches.split(","))}
+    rank_args = argparse.Namespace(batches=args.batches, variants=",".join(sorted(variants)),
+                                   sets=args.sets)
+    return {row["batch"]: row["model_us"]
+            for row in bench_rank.rank_rows(rank_args, tp, bandwidth)}
 
 
 def variant_rows(args):
@@ -299,12 +316,19 @@ def main(argv=None):
                      reference_one_shot_us=one_shot_xla.get(b, float("nan")),
                      speedup=t["reference"] / t["kernel"], floor_us=floor)
                 for b, t in times.items()]
-        report.write(args.out, "bench_layer_tail", info, rows,
-                     f"Post-attention tail per layer, kernels vs XLA reference, TP{tp} mesh", [
-                         ("TP", "{tp}"), ("B", "{batch}"), ("kernel tail µs", "{kernel_us:.2f}"),
-                         ("reference µs", "{reference_us:.2f}"),
-                         ("reference + XLA one-shot µs", "{reference_one_shot_us:.2f}"),
-                         ("speedup", "{speedup:.2f}x"), ("o_proj floor µs", "{floor_us:.2f}")])
+        title = f"Post-attention tail per layer, kernels vs XLA reference, TP{tp} mesh"
+        columns = [("TP", "{tp}"), ("B", "{batch}"), ("kernel tail µs", "{kernel_us:.2f}"),
+                   ("reference µs", "{reference_us:.2f}"),
+                   ("reference + XLA one-shot µs", "{reference_one_shot_us:.2f}"),
+                   ("speedup", "{speedup:.2f}x"), ("o_proj floor µs", "{floor_us:.2f}")]
+        report.write(args.out, "bench_layer_tail", info, rows, title, columns)
+        if tp > 1:  # written again with the one-rank model's prediction beside the mesh
+            model = mesh_model_us(args, tp, bandwidth)
+            for row in rows:
+                row["model_us"] = model[row["batch"]]
+                row["of_model"] = row["kernel_us"] / row["model_us"]
+            report.write(args.out, "bench_layer_tail", info, rows, title, columns + [
+                ("one-rank model µs", "{model_us:.2f}"), ("mesh / model", "{of_model:.2f}")])
     if "tail" in parts and args.variants:
         rows = variant_rows(args)
         report.write(args.out, "bench_layer_tail_variants", info, rows,
