@@ -21,7 +21,7 @@ import jax
 
 from jax_kimik3 import backend
 
-RUNTIME_ENV = "K3_CUTE_DSL_RUNTIME"  # path of libcute_dsl_runtime.so on hosts without the DSL
+RUNTIME_ENV = "JAX_KIMIK3_DSL_RUNTIME"  # path of libcute_dsl_runtime.so on hosts without the DSL
 FFI_TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"  # what every kernel lowers to
 FFI_TARGETS = {  # target → stage → symbol of the runtime library (cutlass/jax/ffi.py, v2)
     FFI_TARGET: {
@@ -60,7 +60,7 @@ def _symbol(library, name):
 @functools.cache
 def register_runtime(library: str | None = None) -> str:
     """Register the kernels' FFI handlers with XLA (CUDA). With the DSL installed and no
-    `library`, the DSL does it; otherwise from `library` or $K3_CUTE_DSL_RUNTIME. Returns
+    `library`, the DSL does it; otherwise from `library` or $JAX_KIMIK3_DSL_RUNTIME. Returns
     where the handlers came from."""
     library = library or os.environ.get(RUNTIME_ENV)
     if library is None:
