@@ -237,12 +237,17 @@ def check_variant(check, variant, two_shot, ahead=None):
                    f"two_shot={two_shot!r}, ahead={'None' if ahead is None else '(...)'}")
 
 
+def axis_names(axis_name) -> tuple:
+    """`axis_name` (a mesh axis name, or a tuple of them) as a tuple of names."""
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
 def check_axis(check, axis_name):
     """`axis_name` (a mesh axis name, or a tuple of distinct ones) bound by the enclosing
     shard_map: its size, or None."""
     if not check.hashable(axis_name=axis_name):
         return None
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    names = axis_names(axis_name)
     if not names or not all(isinstance(n, str) for n in names) or len(set(names)) < len(names):
         check.fail(f"axis_name={axis_name!r} must be a mesh axis name or a tuple of distinct "
                    "ones (the TP axis)")
@@ -309,7 +314,7 @@ def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
     if axis_size != spec.tp:
         check.fail(f"axis {axis_name!r} has {axis_size} ranks; the mailbox has tp={spec.tp}")
     mesh = jax.sharding.get_abstract_mesh()
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    names = axis_names(axis_name)
     if isinstance(mailbox, MeshMailbox):
         if names != (mailbox.axis_name,):
             check.fail(f"axis_name={axis_name!r}, but the mailbox's groups run along axis "

@@ -17,6 +17,14 @@ from jax_kimik3.layout import CONTROL, SENTINEL, MailboxLayout, MailboxSpec
 from jax_kimik3.mailbox import Mailbox
 
 
+GRANULARITY = 1 << 21  # the stand-in driver's allocation granularity
+
+
+def allocated(layout):
+    """Bytes of each rank's buffer on the stand-in driver: the layout's, rounded up."""
+    return layout.nbytes + (-layout.nbytes) % GRANULARITY
+
+
 class FakeDriver:
     """The driver calls Mailbox makes, on host memory; `fail_at`: the n-th call (1-based)
     returns an error."""
@@ -73,7 +81,7 @@ class FakeDriver:
     def _cuInit(self, flags): return ()
     def _cuDeviceGetCount(self, out=None): return (self.devices,)
     def _cuDeviceGet(self, ordinal, out=None): return (ordinal,)
-    def _cuMemGetAllocationGranularity(self, prop, flags, out=None): return (1 << 21,)
+    def _cuMemGetAllocationGranularity(self, prop, flags, out=None): return (GRANULARITY,)
     def _cuMemSetAccess(self, address, size, access, count): return ()
     def _cuCtxSetCurrent(self, ctx): return ()
     def _cuCtxSynchronize(self): return ()
@@ -121,7 +129,7 @@ class FakeDriver:
         self.ranges[address], self.retired[address] = None, size  # the host memory goes
         return ()
 
-    def _cuMulticastGetGranularity(self, prop, flags, out=None): return (1 << 21,)
+    def _cuMulticastGetGranularity(self, prop, flags, out=None): return (GRANULARITY,)
     def _cuMulticastAddDevice(self, handle, device): return ()
 
     def _cuMulticastCreate(self, prop, out=None):
@@ -245,7 +253,7 @@ def test_a_closed_then_collected_mailbox_releases_nothing_twice(driver):
 def test_read_refuses_what_is_outside_the_buffer(driver, args, pattern):
     driver()
     with Mailbox([0, 1], MailboxLayout(2)) as mailbox:
-        end = mailbox.layout.nbytes + (-mailbox.layout.nbytes) % (1 << 21)
+        end = allocated(mailbox.layout)
         rank, offset, nbytes = (end if a == "end" else a for a in args)
         if pattern is None:
             assert mailbox.read(rank, offset, nbytes).size == 0
@@ -284,7 +292,7 @@ def test_arm_leaves_no_healthy_control_words_for_another_layout(driver):
     driver()
     layout = MailboxLayout(2, capacity=8)
     with Mailbox([0, 1], layout) as mailbox:
-        size = layout.nbytes + (-layout.nbytes) % (1 << 21)
+        size = allocated(layout)
         for rank in range(2):
             words = mailbox.read(rank, 0, size)
             control = slice(layout.control // 4, layout.control // 4 + CONTROL.WORDS)
