@@ -81,19 +81,28 @@ def check_timeout_ms(value, name="timeout_ms") -> float:
 @dataclasses.dataclass(frozen=True)
 class MailboxLayout:
     """Byte offsets inside one rank's buffer (see the module docstring); pure arithmetic.
-    `buffer` may be a traced device integer: the kernels pass `calls % 2`."""
+    `buffer` may be a traced device integer: the kernels pass `calls % 2`. The TP decides the
+    layout: its rows (`capacity`) and their width (`hidden`) are the model's, so a step
+    compiled for a MailboxSpec and the live mailbox whose peer table it is given (whose shape
+    is the TP's) cannot disagree on where anything lies."""
 
     tp: int
-    capacity: int = KIMI_K3.mailbox_capacity
-    hidden: int = KIMI_K3.hidden_size
 
     def __post_init__(self):
         check_int("tp", self.tp, 1, MAX_TP)  # one bit per rank in CONTROL.MISSING
-        check_int("capacity", self.capacity, 1, KIMI_K3.mailbox_capacity)  # the kernels' rows
-        check_int("hidden", self.hidden, 1)
         if self.hidden % (VECTOR * self.tp):
             raise ValueError(f"tp={self.tp} must be >= 1 and divide hidden={self.hidden} into "
                              f"whole {VECTOR}-element vectors")
+
+    @property
+    def capacity(self) -> int:
+        """Rows per slot: the most decode rows a rank's call may carry."""
+        return KIMI_K3.mailbox_capacity
+
+    @property
+    def hidden(self) -> int:
+        """Columns per row: the model's H."""
+        return KIMI_K3.hidden_size
 
     @property
     def row_bytes(self) -> int:

@@ -4,8 +4,8 @@ Each rank owns one buffer, allocated with cuda-python's VMM API (cuMemCreate on 
 device, cuMemMap into one virtual range, cuMemSetAccess for every device of the mailbox), so a
 single process's kernels read and write every rank's buffer through one address (unified VA).
 A rank's buffer holds the regions of jax_kimik3/layout.py (the kernels address them from
-the same module), rounded up to the allocation granularity; `arm()` writes SENTINEL over the
-whole buffer and zeroes the control words. Which of the two buffers a call uses is
+the same module), rounded up to the allocation granularity; `arm()` writes SENTINEL into
+every bf16 region and zeroes the control words. Which of the two buffers a call uses is
 `calls % 2`, from the rank's own call counter in device memory, which the last kernel of every
 all-reduce advances: the buffers alternate with the sequence of calls, whatever the layer.
 Kernels find the buffers through the peer table (`peer_table`), an ordinary JAX input.
@@ -382,21 +382,18 @@ class Mailbox:
             raise ValueError(f"{what}: mailbox={self!r} is closed")
 
     def arm(self):
-        """Wait for every device of the mailbox to go idle, then write SENTINEL over every rank's
-        whole buffer and zero its control words: the call counters restart together and a
-        failure is cleared; rows a late peer left behind are wiped, never read. The padding
-        past the layout is armed too, so a kernel compiled for a layout of another capacity
-        (a MailboxSpec that is not this mailbox's) reads its failure flag as set there and
-        writes NaN, where it would otherwise poll unarmed words as landed rows."""
+        """Wait for every device of the mailbox to go idle, then write SENTINEL over every slot
+        of every rank and zero the control words: the call counters restart together and a
+        failure is cleared; rows a late peer left behind are wiped, never read."""
         self._require_open("Mailbox.arm")
         try:
             self._synchronize()  # no kernel may still use the slots
             if self.group is not None:  # nor any of the other processes' kernels
                 handles.barrier(self.group, "arm")
             for r in self.owned:
-                address, size, _ = self._buffers[r]
+                address = self._buffers[r][0]
                 self._cu("cuCtxSetCurrent", self._contexts[self.ordinals[r]])
-                self._cu("cuMemsetD32", address, SENTINEL, size // 4)
+                self._cu("cuMemsetD32", address, SENTINEL, self.layout.armed_bytes // 4)
                 self._cu("cuMemsetD32", address + self.layout.control, 0, CONTROL.WORDS)
             self._synchronize()
             if self.group is not None:  # no process publishes before every rank is armed

@@ -284,28 +284,6 @@ def test_check_reports_calls_past_two_to_the_31(driver, calls, reported):
         assert mailbox.read(1, 0, 8).tolist() == [SENTINEL, SENTINEL]
 
 
-def test_arm_leaves_no_healthy_control_words_for_another_layout(driver):
-    """arm() writes SENTINEL over the whole buffer but its own control words, the padding past
-    the layout included: a kernel compiled for another capacity (a MailboxSpec that is not
-    this mailbox's) finds its failure flag set wherever it falls inside the buffer, and
-    writes NaN rather than reading unarmed words as landed rows."""
-    driver()
-    layout = MailboxLayout(2, capacity=8)
-    with Mailbox([0, 1], layout) as mailbox:
-        size = allocated(layout)
-        for rank in range(2):
-            words = mailbox.read(rank, 0, size)
-            control = slice(layout.control // 4, layout.control // 4 + CONTROL.WORDS)
-            assert (words[control] == 0).all()
-            words[control] = SENTINEL
-            assert (words == SENTINEL).all()
-            others = [MailboxLayout(2, capacity=c) for c in range(1, 65) if c != 8]
-            inside = [other for other in others if other.word(CONTROL.FAILED) < size]
-            assert len(inside) > 8  # smaller capacities, and larger ones in the padding
-            for other in inside:
-                assert mailbox.read(rank, other.word(CONTROL.FAILED), 4)[0] != 0, other
-
-
 def test_a_failure_before_the_allocation_tells_the_group(driver, monkeypatch):
     """A process of a multi-process group whose driver fails at once still tells the others
     (they would otherwise wait out the exchange's timeout)."""
