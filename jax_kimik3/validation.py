@@ -80,9 +80,9 @@ class Checker:
             self.fail(f"{name}={_short(value)} must be in [{EPS_RANGE[0]:.8g}, "
                       f"{EPS_RANGE[1]:.8g}] (a normal float32)")
 
-    def batch(self, name, b, capacity=CAPACITY):
-        if not 1 <= b <= capacity:
-            self.fail(f"{name} has batch B={b}; must be in [1, {capacity}] (mailbox capacity)")
+    def batch(self, name, b):
+        if not 1 <= b <= CAPACITY:
+            self.fail(f"{name} has batch B={b}; must be in [1, {CAPACITY}] (mailbox capacity)")
 
     def hashable(self, **statics) -> bool:
         """Static arguments must be hashable (jax.jit keys its compile cache by them)."""
@@ -339,10 +339,8 @@ def check_mailbox(check, mailbox, peer_table, *, axis_name=None, axis_size=None,
 
 
 def check_fits(check, name, shape, spec, *, virtual=False, ranks=None, shards="x"):
-    """Rows of `shape` (B, H), already checked against CAPACITY, fit the mailbox of `spec`;
-    in virtual TP its tp is the `ranks` of the `shards` argument."""
-    if shape[0] <= CAPACITY:  # larger: the row check said so
-        check.batch(name, shape[0], spec.layout.capacity)
+    """Rows of `shape` (B, H), already checked against CAPACITY (every mailbox's), fit the
+    mailbox of `spec`; in virtual TP its tp is the `ranks` of the `shards` argument."""
     if shape[1] != spec.layout.hidden:
         check.fail(f"{name} has H={shape[1]}; the mailbox's rows have hidden={spec.layout.hidden}")
     if virtual and ranks != spec.tp:
